@@ -1,0 +1,120 @@
+//! The error type shared across crate boundaries.
+
+use std::path::PathBuf;
+
+use crate::{CheckpointId, TaskId};
+
+/// Result with [`StreamError`].
+pub type StreamResult<T> = Result<T, StreamError>;
+
+/// An error crossing a crate boundary: what failed, where, and whether trying
+/// again can help ([`StreamError::is_retryable`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamError {
+    /// A file-system operation failed (full disk, permissions, missing dir).
+    #[error("i/o error while {action} {path}")]
+    Io {
+        /// What was being done, e.g. `"writing checkpoint metadata to"`.
+        action: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A stored file exists but does not read back as what was written.
+    #[error("corrupt checkpoint file {path}: {reason}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: CorruptReason,
+    },
+    /// A checkpoint store could not be reached or refused the operation.
+    #[error("checkpoint store unavailable while {action} checkpoint {checkpoint}: {message}")]
+    StoreUnavailable {
+        /// What was being done.
+        action: &'static str,
+        /// The checkpoint concerned.
+        checkpoint: CheckpointId,
+        /// The store's description of the failure.
+        message: String,
+    },
+    /// A configuration value is invalid.
+    #[error("invalid configuration `{key}`: {message}")]
+    Config {
+        /// The configuration key, as a user writes it.
+        key: &'static str,
+        /// What is wrong and what is expected.
+        message: String,
+    },
+    /// A task failed.
+    #[error("{task} failed: {message}")]
+    TaskFailed {
+        /// The task.
+        task: TaskId,
+        /// Its error.
+        message: String,
+    },
+}
+
+impl StreamError {
+    /// Whether the same operation may succeed if tried again later.
+    ///
+    /// I/O errors and store outages are transient as far as one checkpoint
+    /// goes (the next checkpoint tries again); corrupt data, bad
+    /// configuration and task failures are not.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StreamError::Io { .. } | StreamError::StoreUnavailable { .. } => true,
+            StreamError::Corrupt { .. }
+            | StreamError::Config { .. }
+            | StreamError::TaskFailed { .. } => false,
+        }
+    }
+}
+
+/// What is wrong with a corrupt checkpoint file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CorruptReason {
+    /// It does not start with the expected magic bytes.
+    #[error("not a tinyflow checkpoint file (bad magic)")]
+    BadMagic,
+    /// It is a checkpoint file of a format version this build cannot read.
+    #[error("unsupported format version {found}")]
+    UnsupportedVersion {
+        /// The version in the file.
+        found: u32,
+    },
+    /// It ends before the length its header announces (a torn write).
+    #[error("truncated: {expected} bytes expected, {found} present")]
+    Truncated {
+        /// Bytes the header announces.
+        expected: u64,
+        /// Bytes present.
+        found: u64,
+    },
+    /// The payload does not match its checksum.
+    #[error("checksum mismatch: header says {expected:#010x}, payload hashes to {actual:#010x}")]
+    ChecksumMismatch {
+        /// Checksum recorded in the header.
+        expected: u32,
+        /// Checksum of the payload read.
+        actual: u32,
+    },
+    /// The payload is internally inconsistent.
+    #[error("malformed payload: {detail}")]
+    Malformed {
+        /// What did not decode.
+        detail: &'static str,
+    },
+    /// The file name and the content disagree on the checkpoint id.
+    #[error("file name says checkpoint {in_name}, content says {in_content}")]
+    IdMismatch {
+        /// From the file name.
+        in_name: u64,
+        /// From the content.
+        in_content: u64,
+    },
+}

@@ -1,0 +1,231 @@
+//! Identifier newtypes. Each id is its own type so a checkpoint id can never be
+//! passed where a task id is expected, and names (`JobId`, `SinkId`) are
+//! validated once, at the edge, into a form safe for file names and table
+//! properties.
+
+use std::fmt;
+
+/// The id of one checkpoint of a job. Strictly increasing for a job, also
+/// across restarts; the first id is 1.
+///
+/// ```
+/// use tinyflow_api::CheckpointId;
+/// let id = CheckpointId::new(41);
+/// assert_eq!(id.next().get(), 42);
+/// assert!(id < id.next());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CheckpointId(u64);
+
+impl CheckpointId {
+    /// The first checkpoint id a fresh job uses.
+    pub const FIRST: CheckpointId = CheckpointId(1);
+
+    /// Wraps a raw id.
+    pub const fn new(raw: u64) -> Self {
+        CheckpointId(raw)
+    }
+
+    /// The raw number.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The id after this one.
+    ///
+    /// # Panics
+    /// At `u64::MAX`; at one checkpoint per millisecond that is 584 million
+    /// years away, so reaching it is a broken invariant, not an input error.
+    pub fn next(self) -> Self {
+        CheckpointId(
+            self.0
+                .checked_add(1)
+                .expect("checkpoint id space exhausted"),
+        )
+    }
+}
+
+impl fmt::Display for CheckpointId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The id of one running task (an operator subtask) of a job.
+///
+/// ```
+/// use tinyflow_api::TaskId;
+/// assert_eq!(TaskId::new(7).get(), 7);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TaskId(u32);
+
+impl TaskId {
+    /// Wraps a raw id.
+    pub const fn new(raw: u32) -> Self {
+        TaskId(raw)
+    }
+
+    /// The raw number.
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "task-{}", self.0)
+    }
+}
+
+/// Why a name was rejected as a [`JobId`] or [`SinkId`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    /// The name is empty.
+    #[error("{kind} must not be empty")]
+    Empty {
+        /// Which kind of id (`job id`, `sink id`).
+        kind: &'static str,
+    },
+    /// The name is longer than [`MAX_NAME_LEN`](JobId::MAX_LEN).
+    #[error("{kind} is {len} bytes long, at most {max} are allowed")]
+    TooLong {
+        /// Which kind of id.
+        kind: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The name holds a character outside `[A-Za-z0-9._-]`.
+    #[error(
+        "{kind} {name:?} holds {found:?} at byte {at}: only ASCII letters, digits, '.', '_' and '-' are allowed"
+    )]
+    BadChar {
+        /// Which kind of id.
+        kind: &'static str,
+        /// The rejected name.
+        name: String,
+        /// The offending character.
+        found: char,
+        /// Its byte offset.
+        at: usize,
+    },
+}
+
+fn validate_name(kind: &'static str, name: &str) -> Result<(), IdError> {
+    if name.is_empty() {
+        return Err(IdError::Empty { kind });
+    }
+    if name.len() > JobId::MAX_LEN {
+        return Err(IdError::TooLong {
+            kind,
+            len: name.len(),
+            max: JobId::MAX_LEN,
+        });
+    }
+    if let Some((at, found)) = name
+        .char_indices()
+        .find(|(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(IdError::BadChar {
+            kind,
+            name: name.to_owned(),
+            found,
+            at,
+        });
+    }
+    Ok(())
+}
+
+macro_rules! name_id {
+    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Longest accepted name, in bytes.
+            pub const MAX_LEN: usize = 128;
+
+            /// Validates `name`: 1 to 128 ASCII letters, digits, `.`, `_` or `-`,
+            /// so it is safe in file names, table properties and logs.
+            pub fn new(name: impl Into<String>) -> Result<Self, IdError> {
+                let name = name.into();
+                validate_name($kind, &name)?;
+                Ok($name(name))
+            }
+
+            /// The name.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = IdError;
+            fn from_str(s: &str) -> Result<Self, IdError> {
+                $name::new(s)
+            }
+        }
+    };
+}
+
+name_id!(
+    /// The stable name of one pipeline, from its configuration. It survives
+    /// restarts; checkpoint ids are scoped to it.
+    ///
+    /// ```
+    /// use tinyflow_api::JobId;
+    /// assert!(JobId::new("orders-to-iceberg").is_ok());
+    /// assert!(JobId::new("bad name").is_err());
+    /// ```
+    JobId,
+    "job id"
+);
+
+name_id!(
+    /// The stable name of one sink, from configuration. A table's snapshots
+    /// carry it so each sink recognises its own commits.
+    SinkId,
+    "sink id"
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated_with_position() {
+        assert_eq!(JobId::new(""), Err(IdError::Empty { kind: "job id" }));
+        let err = SinkId::new("a/b").unwrap_err();
+        assert_eq!(
+            err,
+            IdError::BadChar {
+                kind: "sink id",
+                name: "a/b".into(),
+                found: '/',
+                at: 1
+            }
+        );
+        assert!(err.to_string().contains("'/'"), "{err}");
+        assert!(matches!(
+            JobId::new("x".repeat(129)),
+            Err(IdError::TooLong { len: 129, .. })
+        ));
+        assert_eq!(JobId::new("job_1.v-2").unwrap().as_str(), "job_1.v-2");
+    }
+
+    #[test]
+    fn checkpoint_ids_order_and_advance() {
+        assert_eq!(CheckpointId::FIRST.get(), 1);
+        assert!(CheckpointId::new(9) < CheckpointId::new(10));
+        assert_eq!(CheckpointId::new(9).next(), CheckpointId::new(10));
+    }
+}
