@@ -1,1 +1,15 @@
-//! placeholder
+//! tinyflow's integration tests: one binary, one module per scenario
+//! (fewer link steps, one place to look).
+//!
+//! - `checkpoint_flaws`: a regression test per flaw of the seed's checkpoint manager.
+//! - `checkpoint_driver`: the async driver under tokio's paused clock, exact durations,
+//!   backpressure bounds and a determinism check.
+//! - `checkpoint_props`: property tests of the coordinator's state machine against a
+//!   reference model, checking the exactly-once invariants after every step.
+//! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
+//!   retention, id continuity.
+
+mod checkpoint_driver;
+mod checkpoint_flaws;
+mod checkpoint_props;
+mod checkpoint_store;

@@ -44,7 +44,11 @@ pub enum ToTask {
         /// The newest completed checkpoint.
         id: CheckpointId,
     },
-    /// Checkpoint `id` will never complete; drop what was kept for it only.
+    /// Checkpoint `id` will not complete in this attempt. What a task kept
+    /// for it is not lost but carried into the next checkpoint: the records
+    /// before barrier `id` were consumed and will not be replayed while the
+    /// job runs on (a committer keeps the files it staged for `id` and commits
+    /// them with a later checkpoint).
     Abort {
         /// The aborted checkpoint.
         id: CheckpointId,

@@ -226,12 +226,21 @@ impl Coordinator {
         if self.is_terminal() {
             return None;
         }
-        let timeouts = self.pending.values().map(|p| p.deadline);
+        let timeouts = self
+            .pending
+            .iter()
+            .filter(|(id, _)| !self.persisting.contains(id))
+            .map(|(_, p)| p.deadline);
         let slot = match self.phase {
             Phase::Running => self.next_slot,
             _ => None,
         };
-        let pause_end = if self.trigger_due && self.phase == Phase::Running {
+        // Waiting out `min_pause` is the only thing that can hold a due
+        // trigger while a slot is free; a full slot count waits for an event.
+        let pause_end = if self.trigger_due
+            && self.phase == Phase::Running
+            && self.pending.len() < self.config.max_concurrent
+        {
             self.last_completed_at.map(|t| t + self.config.min_pause)
         } else {
             None
@@ -247,6 +256,11 @@ impl Coordinator {
     /// Checkpoints in flight (triggered, neither complete nor aborted).
     pub fn in_flight(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Ids of the checkpoints in flight, ascending.
+    pub fn in_flight_ids(&self) -> impl Iterator<Item = CheckpointId> + '_ {
+        self.pending.keys().copied()
     }
 
     /// Checkpoints whose metadata write is under way.
@@ -290,7 +304,9 @@ impl Coordinator {
             Event::Deregister { task } => self.deregister(task, now, out),
             Event::Task(FromTask::Ack { task, id, state }) => self.ack(task, id, state, now),
             Event::Task(FromTask::Decline { task, id, reason }) => {
-                if self.pending.get(&id).is_some_and(|p| p.involves(task)) {
+                if self.tasks.contains_key(&task)
+                    && self.pending.get(&id).is_some_and(|p| p.involves(task))
+                {
                     self.abort(id, AbortReason::Declined { task, reason }, out);
                 } else {
                     tracing::debug!(job = %self.job_id, %task, checkpoint = %id, "decline for a checkpoint not in flight, ignored");
@@ -506,18 +522,21 @@ impl Coordinator {
         self.fail(Error::TaskLost { task, cause }, out);
     }
 
+    /// Aborts checkpoints past their deadline that still wait for acks. One
+    /// whose metadata is being written is left to the store's verdict: the
+    /// write cannot be called back, and a checkpoint that became durable
+    /// after being declared aborted would be restored by the next attempt.
     fn expire(&mut self, now: Now, out: &mut Vec<Action>) {
         let expired: Vec<_> = self
             .pending
             .iter()
-            .filter(|(_, p)| p.deadline <= now.at)
+            .filter(|(id, p)| p.deadline <= now.at && !self.persisting.contains(id))
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
             if self.is_terminal() {
                 return;
             }
-            self.persisting.remove(&id);
             self.abort(id, AbortReason::Expired, out);
         }
     }

@@ -238,6 +238,18 @@ impl CoordinatorDriver {
         .flatten()
         .max();
         let next_id = highest.map_or(CheckpointId::FIRST, CheckpointId::next);
+        // A sink commits a checkpoint only after it is durable in the store,
+        // so the store's newest readable checkpoint can only be behind the
+        // sinks if newer files were lost or damaged. Restoring from it would
+        // replay records the sinks already committed: refuse.
+        if let (Some(restored), Some(committed)) = (&checkpoint, config.sinks_committed)
+            && restored.id < committed
+        {
+            return Err(Error::RestoreBehindSinks {
+                restored: restored.id,
+                committed,
+            });
+        }
         tracing::info!(
             job = %config.job_id,
             restored = ?checkpoint.as_ref().map(|c| c.id),
@@ -276,7 +288,7 @@ impl CoordinatorDriver {
     /// flight were aborted (tasks still listening are told, best effort).
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<Outcome> {
         tokio::pin!(shutdown);
-        let mut actions = Vec::new();
+        let mut actions: Vec<Action> = Vec::new();
         loop {
             let deadline = self.core.next_deadline();
             let event = tokio::select! {
@@ -330,10 +342,9 @@ impl CoordinatorDriver {
             };
             let now = self.now();
             self.core.handle_into(event, now, &mut actions);
-            let mut drained: Vec<Action> = actions.drain(..).collect();
-            while !drained.is_empty() {
+            while !actions.is_empty() {
                 let mut follow_up = Vec::new();
-                for action in drained {
+                for action in std::mem::take(&mut actions) {
                     match action {
                         Action::Send { task, msg } => {
                             if let Err(ChannelClosed) = self.deliver(task, msg) {
@@ -357,7 +368,7 @@ impl CoordinatorDriver {
                         }
                     }
                 }
-                drained = follow_up;
+                actions = follow_up;
             }
         }
     }

@@ -56,6 +56,19 @@ pub enum Error {
         /// Tasks still registered.
         live_tasks: usize,
     },
+    /// The newest readable checkpoint is older than what the job's sinks
+    /// already committed (newer checkpoint files were lost or damaged).
+    /// Restoring from it would commit replayed records a second time.
+    #[error(
+        "newest readable checkpoint is {restored} but the sinks already committed checkpoint {committed}: \
+         restoring would duplicate data; recover the missing checkpoint files or reset the job's sinks deliberately"
+    )]
+    RestoreBehindSinks {
+        /// The checkpoint the store could offer.
+        restored: CheckpointId,
+        /// The highest checkpoint the sinks committed.
+        committed: CheckpointId,
+    },
     /// The checkpoint store failed where there is no later attempt to fall
     /// back on (at start-up, reading the newest checkpoint).
     #[error("checkpoint store failed")]
@@ -68,7 +81,9 @@ impl Error {
     /// the same way again.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Config { .. } | Error::DuplicateTask { .. } => false,
+            Error::Config { .. }
+            | Error::DuplicateTask { .. }
+            | Error::RestoreBehindSinks { .. } => false,
             Error::TooManyFailures { .. }
             | Error::TaskLost { .. }
             | Error::InboundClosed { .. } => true,

@@ -117,8 +117,15 @@ impl CheckpointStore for LocalDirStore {
 
 impl Inner {
     fn open(&self) -> StreamResult<()> {
-        fs::create_dir_all(&self.dir)
-            .map_err(io_err("creating checkpoint directory", &self.dir))?;
+        if !self.dir.is_dir() {
+            fs::create_dir_all(&self.dir)
+                .map_err(io_err("creating checkpoint directory", &self.dir))?;
+            // Make the new directory entry itself durable.
+            if let Some(parent) = self.dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                sync_dir(parent)
+                    .map_err(io_err("syncing parent of checkpoint directory", parent))?;
+            }
+        }
         for entry in read_dir(&self.dir)? {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
@@ -141,6 +148,19 @@ impl Inner {
     }
 
     fn persist(&self, id: CheckpointId, bytes: &[u8]) -> StreamResult<()> {
+        // Ids only grow: a lower one would be deleted by retention at once, or
+        // be shadowed by a newer file on restore.
+        if let Some(newest) = self.list()?.last()
+            && *newest >= id
+        {
+            return Err(StreamError::Config {
+                key: "checkpoint.dir",
+                message: format!(
+                    "checkpoint {id} is not newer than checkpoint {newest} already in {}: is another job writing here?",
+                    self.dir.display()
+                ),
+            });
+        }
         let tmp = self
             .dir
             .join(format!("{TMP_PREFIX}{:020}{SUFFIX}", id.get()));
@@ -331,7 +351,12 @@ pub fn decode(bytes: &[u8]) -> Result<CompletedCheckpoint, CorruptReason> {
     let len = r.u64().map_err(|_| truncated_header())?;
     let expected = r.u32().map_err(|_| truncated_header())?;
     let found = r.0.len() as u64;
-    if found != len {
+    if found > len {
+        return Err(CorruptReason::Malformed {
+            detail: "file is longer than its header says",
+        });
+    }
+    if found < len {
         return Err(CorruptReason::Truncated {
             expected: HEADER_LEN as u64 + len,
             found: HEADER_LEN as u64 + found,
