@@ -207,7 +207,7 @@ async fn outbox_of_a_stalled_task_stays_bounded() {
     let mut backlog = Vec::new();
     while let Ok(Ok(Some(msg))) = tokio::time::timeout(ms(1), h.rx(0).recv())
         .await
-        .map(|m| Ok::<_, ()>(m))
+        .map(Ok::<_, ()>)
     {
         backlog.push(msg);
     }

@@ -309,7 +309,8 @@ impl Run<'_> {
                 if let Some(p) = m.pending.get_mut(id)
                     && p.expected.contains(task)
                     && !p.acked.contains_key(task)
-                    && !(p.deadline <= self.now && !m.writing.contains(id))
+                    // Not expired first (the coordinator handles timers before the event).
+                    && (p.deadline > self.now || m.writing.contains(id))
                 {
                     p.acked.insert(*task, state.clone());
                 }

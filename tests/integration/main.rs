@@ -9,6 +9,8 @@
 //! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
 //!   retention, id continuity.
 
+#![allow(clippy::unwrap_used, reason = "test code: a panic is the failure report")]
+
 mod checkpoint_driver;
 mod checkpoint_flaws;
 mod checkpoint_props;

@@ -26,7 +26,7 @@ use tinyflow_api::{
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::coordinator::{Action, Coordinator, Event, Now, Phase, error_chain};
+use crate::coordinator::{Action, Coordinator, Event, Now, Phase};
 use crate::{CheckpointConfig, Error, Result};
 
 /// Capacity of the inbound channel (acks, registrations) by default.
@@ -362,10 +362,8 @@ impl CoordinatorDriver {
                             self.flush().await;
                             return Ok(Outcome::Finished { final_checkpoint });
                         }
-                        Action::Fail(error) => {
-                            tracing::error!(error = %error_chain(&error), "checkpoint coordinator failing the job");
-                            return Err(error);
-                        }
+                        // The coordinator logged the failure with its cause.
+                        Action::Fail(error) => return Err(error),
                     }
                 }
                 actions = follow_up;
