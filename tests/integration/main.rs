@@ -9,7 +9,10 @@
 //! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
 //!   retention, id continuity.
 
-#![allow(clippy::unwrap_used, reason = "test code: a panic is the failure report")]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a panic is the failure report"
+)]
 
 mod checkpoint_driver;
 mod checkpoint_flaws;
