@@ -8,9 +8,14 @@
 //! Each step prints what it runs and how long it took; the first failure
 //! stops the run with the step named.
 
-#![allow(clippy::print_stderr, reason = "xtask reports progress on stderr")]
+#![allow(
+    clippy::print_stderr,
+    clippy::print_stdout,
+    reason = "xtask reports progress on stderr and echoes test output on stdout"
+)]
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -61,13 +66,16 @@ fn ci() -> Result<()> {
             "warnings",
         ]),
     )?;
-    run(
+    let mut counts = TestCounts::default();
+    run_tests(
         "tests",
         &mut cargo(&["test", "--workspace", "--all-targets", "--all-features"]),
+        &mut counts,
     )?;
-    run(
+    run_tests(
         "doc tests",
         &mut cargo(&["test", "--workspace", "--doc", "--all-features"]),
+        &mut counts,
     )?;
     run(
         "docs",
@@ -75,7 +83,61 @@ fn ci() -> Result<()> {
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
     eprintln!("xtask ci: all steps passed in {:.0?}", started.elapsed());
+    // One closing line over every test binary, so a reader (or CI) sees the
+    // total rather than the last binary's count.
+    println!("tests: {} passed, {} failed", counts.passed, counts.failed);
     Ok(())
+}
+
+#[derive(Debug, Default)]
+struct TestCounts {
+    passed: u64,
+    failed: u64,
+}
+
+/// Runs a `cargo test` step, echoing its output and adding up the counts of
+/// its `test result:` lines.
+fn run_tests(step: &str, cmd: &mut Command, counts: &mut TestCounts) -> Result<()> {
+    eprintln!("xtask: [{step}] {cmd:?}");
+    let started = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting step {step}"))?;
+    let stdout = child.stdout.take().context("test output pipe")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading test output")?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            counts.passed += count_before(rest, " passed");
+            counts.failed += count_before(rest, " failed");
+        }
+    }
+    let status = child
+        .wait()
+        .with_context(|| format!("waiting for step {step}"))?;
+    eprintln!(
+        "xtask: [{step}] finished in {:.1?} ({status})",
+        started.elapsed()
+    );
+    if !status.success() {
+        println!(
+            "tests: {} passed, {} failed",
+            counts.passed,
+            counts.failed.max(1)
+        );
+        bail!("step {step} failed ({status})");
+    }
+    Ok(())
+}
+
+/// The number just before `word` in a `test result:` line, e.g. 33 in
+/// `ok. 33 passed; 0 failed; ...`.
+fn count_before(line: &str, word: &str) -> u64 {
+    line.find(word)
+        .and_then(|end| line[..end].rsplit(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 fn run(step: &str, cmd: &mut Command) -> Result<()> {
@@ -92,4 +154,19 @@ fn run(step: &str, cmd: &mut Command) -> Result<()> {
         bail!("step {step} failed ({status})");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_before;
+
+    #[test]
+    fn counts_are_read_from_test_result_lines() {
+        let line =
+            "ok. 33 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out; finished in 7.20s";
+        assert_eq!(count_before(line, " passed"), 33);
+        assert_eq!(count_before(line, " failed"), 2);
+        assert_eq!(count_before("FAILED. 0 passed; 1 failed;", " failed"), 1);
+        assert_eq!(count_before("nothing here", " passed"), 0);
+    }
 }
