@@ -8,6 +8,9 @@
 //!   reference model, checking the exactly-once invariants after every step.
 //! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
 //!   retention, id continuity.
+//! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
+//!   points; committed output equals the expected output; keyed state across restore and
+//!   rescale.
 
 #![allow(
     clippy::unwrap_used,
@@ -18,3 +21,4 @@ mod checkpoint_driver;
 mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
+mod runtime_exactly_once;

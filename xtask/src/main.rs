@@ -20,10 +20,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
+mod kafka;
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
+        Some("kafka") => kafka::main(&args[1..]),
         Some("demo") => run(
             "demo",
             cargo(&[
@@ -40,6 +43,7 @@ fn main() -> Result<()> {
             eprintln!("usage: cargo xtask <ci|demo>");
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
+            eprintln!("  kafka start|stop|status [--port N]: a local Kafka broker for tests");
             bail!("unknown or missing command {:?}", args.first());
         }
     }

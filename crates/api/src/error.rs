@@ -49,6 +49,41 @@ pub enum StreamError {
         /// What is wrong and what is expected.
         message: String,
     },
+    /// An operator received records of another type than it was built for
+    /// (a broken job graph).
+    #[error("operator {operator} received records of type {found}, expected {expected}")]
+    TypeMismatch {
+        /// The operator.
+        operator: String,
+        /// The type it expects.
+        expected: &'static str,
+        /// The type it got.
+        found: &'static str,
+    },
+    /// Operator state could not be encoded or decoded.
+    #[error("state of operator {operator} could not be {action}: {message}")]
+    State {
+        /// The operator.
+        operator: String,
+        /// `encoded` or `decoded`.
+        action: &'static str,
+        /// The codec's error.
+        message: String,
+    },
+    /// User code in an operator, source or sink failed.
+    #[error("operator {operator} failed: {message}")]
+    User {
+        /// The operator.
+        operator: String,
+        /// The error.
+        message: String,
+    },
+    /// The job graph is invalid.
+    #[error("invalid job graph: {message}")]
+    Graph {
+        /// What is wrong.
+        message: String,
+    },
     /// A task failed.
     #[error("{task} failed: {message}")]
     TaskFailed {
@@ -67,7 +102,12 @@ impl StreamError {
     /// configuration and task failures are not.
     pub fn is_retryable(&self) -> bool {
         match self {
-            StreamError::Io { .. } | StreamError::StoreUnavailable { .. } => true,
+            StreamError::Io { .. }
+            | StreamError::StoreUnavailable { .. }
+            | StreamError::User { .. } => true,
+            StreamError::TypeMismatch { .. }
+            | StreamError::State { .. }
+            | StreamError::Graph { .. } => false,
             StreamError::Corrupt { .. }
             | StreamError::Config { .. }
             | StreamError::TaskFailed { .. } => false,

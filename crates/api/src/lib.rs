@@ -25,8 +25,11 @@ mod channel;
 mod checkpoint;
 mod clock;
 mod control;
+mod data;
 mod error;
 mod ids;
+mod job;
+mod operator;
 
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -35,5 +38,17 @@ pub use channel::{BoxFuture, ChannelClosed, ControlChannel, TrySendError};
 pub use checkpoint::{CheckpointStore, CompletedCheckpoint, StateHandle};
 pub use clock::{SystemWallClock, WallClock};
 pub use control::{AbortReason, DeclineReason, FromTask, TaskRole, ToTask};
+pub use data::{
+    AnyBatch, DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group, key_groups_of,
+    owner_of_group,
+};
 pub use error::{CorruptReason, StreamError, StreamResult};
 pub use ids::{CheckpointId, IdError, JobId, SinkId, TaskId};
+pub use job::{
+    Edge, JobBuilder, JobGraph, KeyedStream, Node, NodeId, NodeKind, Partitioner, Partitioning,
+    Stream,
+};
+pub use operator::{
+    ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory, Operator, OperatorContext,
+    OperatorFactory, OperatorState, Sink, SinkFactory, SinkRestore, Source, SourceFactory,
+};

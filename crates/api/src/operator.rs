@@ -1,0 +1,268 @@
+//! What the runtime runs: operators, sources and sinks.
+//!
+//! Users write typed [`Source`]s and [`Sink`]s and pass closures to the job
+//! builder ([`crate::JobBuilder`]); the builder wraps them into the
+//! type-erased forms in this module ([`Operator`], [`ErasedSource`],
+//! [`ErasedSink`]), which the runtime drives with [`AnyBatch`]es.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{AnyBatch, CheckpointId, Data, StreamResult};
+
+/// Where an operator instance runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperatorContext {
+    /// The operator's name (unique in the job).
+    pub name: String,
+    /// This subtask's index, `0..parallelism`.
+    pub subtask: usize,
+    /// The operator's parallelism.
+    pub parallelism: usize,
+    /// Number of key groups of the job.
+    pub max_parallelism: u16,
+}
+
+/// The state of one operator subtask in a checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperatorState {
+    /// Keyed state by key group; redistributed over subtasks on restore, so
+    /// a job can change its parallelism.
+    pub keyed: BTreeMap<u16, Vec<u8>>,
+    /// State of the subtask as a whole (not keyed).
+    pub local: Option<Vec<u8>>,
+}
+
+/// A type-erased transformation, one instance per subtask.
+pub trait Operator: Send {
+    /// Processes one input batch, pushing output batches to `out`.
+    fn process(&mut self, batch: AnyBatch, out: &mut Vec<AnyBatch>) -> StreamResult<()>;
+
+    /// Every input reached its end: emit what is still held.
+    fn finish(&mut self, _out: &mut Vec<AnyBatch>) -> StreamResult<()> {
+        Ok(())
+    }
+
+    /// The state to checkpoint.
+    fn snapshot(&mut self) -> StreamResult<OperatorState> {
+        Ok(OperatorState::default())
+    }
+
+    /// Restores state (only the key groups this subtask owns).
+    fn restore(&mut self, _state: OperatorState) -> StreamResult<()> {
+        Ok(())
+    }
+}
+
+/// Creates an operator's instances.
+pub trait OperatorFactory: Send + Sync {
+    /// The instance for one subtask.
+    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>>;
+}
+
+/// A source of typed records, one instance per subtask.
+///
+/// Its position is its state: on restore the runtime hands the factory the
+/// positions of every subtask of the checkpoint, so it can continue exactly
+/// after them (also with a different parallelism).
+#[async_trait::async_trait]
+pub trait Source<T: Data>: Send {
+    /// The next batch; `Ok(None)` at the end of a bounded input.
+    ///
+    /// Must be cancel safe: the runtime drops the future when a checkpoint
+    /// trigger arrives first, and calls it again; nothing may be lost.
+    async fn next_batch(&mut self) -> StreamResult<Option<Vec<T>>>;
+
+    /// The position after the last record returned.
+    fn snapshot(&mut self) -> StreamResult<Vec<u8>>;
+
+    /// Checkpoint `id` is durable (e.g. commit offsets for lag monitoring).
+    async fn checkpoint_complete(&mut self, _id: CheckpointId) -> StreamResult<()> {
+        Ok(())
+    }
+}
+
+/// Creates a source's instances.
+pub trait SourceFactory<T: Data>: Send + Sync {
+    /// The instance for one subtask; `restored` holds the snapshots of every
+    /// subtask of this source in the restored checkpoint (empty on a fresh
+    /// start).
+    fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: &[Vec<u8>],
+    ) -> StreamResult<Box<dyn Source<T>>>;
+}
+
+/// A two-phase-commit sink of typed records, one instance per subtask.
+#[async_trait::async_trait]
+pub trait Sink<T: Data>: Send {
+    /// Writes records (invisible until committed).
+    async fn write(&mut self, batch: Vec<T>) -> StreamResult<()>;
+
+    /// Barrier `id` arrived: stage everything written since the previous
+    /// barrier under `id` and return all staged, uncommitted work; it becomes
+    /// the subtask's checkpoint state.
+    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
+
+    /// Checkpoint `id` is durable: commit everything staged under ids up to
+    /// and including `id`. Must be idempotent by checkpoint id.
+    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()>;
+}
+
+/// What a restored sink gets: the checkpoint and every subtask's staged work.
+#[derive(Debug, Clone, Copy)]
+pub struct SinkRestore<'a> {
+    /// The restored checkpoint.
+    pub checkpoint: CheckpointId,
+    /// The snapshots of every subtask of this sink in that checkpoint.
+    pub states: &'a [Vec<u8>],
+}
+
+/// Creates a sink's instances.
+#[async_trait::async_trait]
+pub trait SinkFactory<T: Data>: Send + Sync {
+    /// The instance for one subtask. On restore, the instances together must
+    /// commit the restored staged work up to the restored checkpoint that is
+    /// not committed yet (subtask 0 may do it for all), and drop nothing.
+    async fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: Option<SinkRestore<'_>>,
+    ) -> StreamResult<Box<dyn Sink<T>>>;
+}
+
+/// [`Source`] with the record type erased, as the runtime drives it.
+#[async_trait::async_trait]
+pub trait ErasedSource: Send {
+    /// See [`Source::next_batch`].
+    async fn next_batch(&mut self) -> StreamResult<Option<AnyBatch>>;
+    /// See [`Source::snapshot`].
+    fn snapshot(&mut self) -> StreamResult<Vec<u8>>;
+    /// See [`Source::checkpoint_complete`].
+    async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()>;
+}
+
+/// [`SourceFactory`] with the record type erased.
+pub trait ErasedSourceFactory: Send + Sync {
+    /// See [`SourceFactory::create`].
+    fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: &[Vec<u8>],
+    ) -> StreamResult<Box<dyn ErasedSource>>;
+}
+
+/// [`Sink`] with the record type erased.
+#[async_trait::async_trait]
+pub trait ErasedSink: Send {
+    /// See [`Sink::write`]; fails on a batch of another type.
+    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()>;
+    /// See [`Sink::prepare_commit`].
+    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
+    /// See [`Sink::commit`].
+    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()>;
+}
+
+/// [`SinkFactory`] with the record type erased.
+#[async_trait::async_trait]
+pub trait ErasedSinkFactory: Send + Sync {
+    /// See [`SinkFactory::create`].
+    async fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: Option<SinkRestore<'_>>,
+    ) -> StreamResult<Box<dyn ErasedSink>>;
+}
+
+pub(crate) struct TypedSource<T>(pub(crate) Box<dyn Source<T>>);
+
+#[async_trait::async_trait]
+impl<T: Data> ErasedSource for TypedSource<T> {
+    async fn next_batch(&mut self) -> StreamResult<Option<AnyBatch>> {
+        Ok(self.0.next_batch().await?.map(AnyBatch::new))
+    }
+
+    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+        self.0.snapshot()
+    }
+
+    async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()> {
+        self.0.checkpoint_complete(id).await
+    }
+}
+
+pub(crate) struct TypedSourceFactory<T, F>(
+    pub(crate) F,
+    pub(crate) std::marker::PhantomData<fn() -> T>,
+);
+
+impl<T: Data, F: SourceFactory<T>> ErasedSourceFactory for TypedSourceFactory<T, F> {
+    fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: &[Vec<u8>],
+    ) -> StreamResult<Box<dyn ErasedSource>> {
+        Ok(Box::new(TypedSource(self.0.create(ctx, restored)?)))
+    }
+}
+
+pub(crate) struct TypedSink<T> {
+    pub(crate) inner: Box<dyn Sink<T>>,
+    pub(crate) name: String,
+}
+
+#[async_trait::async_trait]
+impl<T: Data> ErasedSink for TypedSink<T> {
+    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()> {
+        let records = downcast::<T>(batch, &self.name)?;
+        self.inner.write(records).await
+    }
+
+    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
+        self.inner.prepare_commit(id).await
+    }
+
+    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {
+        self.inner.commit(id).await
+    }
+}
+
+pub(crate) struct TypedSinkFactory<T, F>(
+    pub(crate) F,
+    pub(crate) std::marker::PhantomData<fn() -> T>,
+);
+
+#[async_trait::async_trait]
+impl<T: Data, F: SinkFactory<T>> ErasedSinkFactory for TypedSinkFactory<T, F> {
+    async fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: Option<SinkRestore<'_>>,
+    ) -> StreamResult<Box<dyn ErasedSink>> {
+        let inner = self.0.create(ctx, restored).await?;
+        Ok(Box::new(TypedSink {
+            inner,
+            name: ctx.name.clone(),
+        }))
+    }
+}
+
+/// Unwraps a batch for operator `name`, or says which types disagreed.
+pub(crate) fn downcast<T: Data>(batch: AnyBatch, name: &str) -> StreamResult<Vec<T>> {
+    batch
+        .downcast::<T>()
+        .map_err(|b| crate::StreamError::TypeMismatch {
+            operator: name.to_owned(),
+            expected: std::any::type_name::<T>(),
+            found: b.type_name(),
+        })
+}
+
+impl fmt::Debug for dyn Operator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Operator")
+    }
+}

@@ -1,0 +1,402 @@
+//! Exactly-once through the runtime, with failures injected at generated
+//! points: a panic at the k-th record, a panic at a random moment (which
+//! lands anywhere: mid-batch, during barrier alignment, during a snapshot),
+//! and commits that fail after a checkpoint completed (between completion
+//! and notify's effect). Whatever the schedule, the committed output equals
+//! the expected output as a multiset. Keyed state survives restore, also
+//! with a different parallelism.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::test_runner::Config;
+use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+use tinyflow_api::{JobBuilder, JobId};
+use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_tests::ms;
+use tokio::time::Instant;
+
+const INJECTED: &str = "injected failure";
+
+/// Where the next injected panic fires; each fires once.
+#[derive(Debug, Default)]
+struct FailPlan {
+    seen: AtomicU64,
+    at_record: Vec<u64>,
+    at_time: Vec<Duration>,
+    fired: Vec<AtomicBool>,
+    start: std::sync::OnceLock<Instant>,
+}
+
+impl FailPlan {
+    fn new(at_record: Vec<u64>, at_time: Vec<Duration>) -> Arc<Self> {
+        let fired = (0..at_record.len() + at_time.len())
+            .map(|_| AtomicBool::new(false))
+            .collect();
+        Arc::new(FailPlan {
+            at_record,
+            at_time,
+            fired,
+            ..FailPlan::default()
+        })
+    }
+
+    /// Called for every record the failing operator processes.
+    fn check(&self) {
+        let n = self.seen.fetch_add(1, Ordering::SeqCst) + 1;
+        let elapsed = self.start.get_or_init(Instant::now).elapsed();
+        let due = self
+            .at_record
+            .iter()
+            .map(|k| n >= *k)
+            .chain(self.at_time.iter().map(|t| elapsed >= *t));
+        for (i, due) in due.enumerate() {
+            if due && !self.fired[i].swap(true, Ordering::SeqCst) {
+                panic!("{INJECTED} #{i} at record {n}, {elapsed:?}");
+            }
+        }
+    }
+}
+
+fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .unwrap_or("");
+            if !msg.contains(INJECTED) {
+                default(info);
+            }
+        }));
+    });
+}
+
+fn config(interval_ms: u64) -> RuntimeConfig {
+    RuntimeConfig {
+        checkpoint: CheckpointConfig {
+            interval: Some(ms(interval_ms)),
+            timeout: ms(10_000),
+            ..CheckpointConfig::default()
+        },
+        restart: RestartStrategy::FixedDelay {
+            delay: ms(10),
+            max_attempts: 20,
+        },
+        channel_capacity: 2,
+    }
+}
+
+fn partitions(n: usize, per: u64) -> Vec<Vec<u64>> {
+    (0..n as u64)
+        .map(|p| (p * per..(p + 1) * per).collect())
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct Scenario {
+    sources: usize,
+    maps: usize,
+    sinks: usize,
+    per_partition: u64,
+    batch: usize,
+    interval_ms: u64,
+    at_record: Vec<u64>,
+    at_time_ms: Vec<u64>,
+    failed_commits: u32,
+}
+
+fn scenario() -> impl Strategy<Value = Scenario> {
+    (
+        (1usize..4, 1usize..4, 1usize..3),
+        (20u64..300, 1usize..16, 3u64..40),
+        (
+            prop::collection::vec(1u64..1_500, 0..3),
+            prop::collection::vec(1u64..200, 0..3),
+            0u32..3,
+        ),
+    )
+        .prop_map(
+            |(
+                (sources, maps, sinks),
+                (per_partition, batch, interval_ms),
+                (at_record, at_time_ms, failed_commits),
+            )| {
+                Scenario {
+                    sources,
+                    maps,
+                    sinks,
+                    per_partition,
+                    batch,
+                    interval_ms,
+                    at_record,
+                    at_time_ms,
+                    failed_commits,
+                }
+            },
+        )
+}
+
+/// source -> map (fails as planned) -> filter -> rebalance -> sink.
+async fn run_stateless(s: &Scenario) -> Result<(Vec<u64>, Vec<u64>, u32), Error> {
+    let plan = FailPlan::new(
+        s.at_record.clone(),
+        s.at_time_ms.iter().map(|t| ms(*t)).collect(),
+    );
+    let sink = CollectingSink::<u64>::new();
+    sink.fail_next_commits(s.failed_commits);
+    let job = JobBuilder::new(JobId::new("eo-stateless").unwrap());
+    let input = partitions(s.sources * 2, s.per_partition);
+    job.source(
+        "numbers",
+        s.sources,
+        VecSource::new(input.clone())
+            .batch_size(s.batch)
+            .pause(ms(1)),
+    )
+    .map("triple", move |n: u64| {
+        plan.check();
+        n * 3
+    })
+    .parallelism(s.maps)
+    .filter("not-div-7", |n: &u64| !n.is_multiple_of(7))
+    .rebalance()
+    .sink("out", s.sinks, sink.clone());
+    let report = JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        config(s.interval_ms),
+    )
+    .run()
+    .await?;
+    let mut expected: Vec<u64> = input
+        .into_iter()
+        .flatten()
+        .map(|n| n * 3)
+        .filter(|n| !n.is_multiple_of(7))
+        .collect();
+    expected.sort_unstable();
+    let mut got = sink.committed();
+    got.sort_unstable();
+    Ok((got, expected, report.attempts))
+}
+
+fn cases() -> u32 {
+    std::env::var("RUNTIME_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
+}
+
+proptest! {
+    #![proptest_config(Config { cases: cases(), ..Config::default() })]
+
+    /// I1 through the runtime: whatever fails and whenever, every record is
+    /// committed exactly once.
+    #[test]
+    fn committed_output_is_exactly_the_input_whatever_fails(s in scenario()) {
+        quiet_injected_panics();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+        let (got, expected, attempts) = rt.block_on(run_stateless(&s)).map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+        prop_assert_eq!(got.len(), expected.len(), "attempts {}", attempts);
+        prop_assert!(got == expected, "committed output differs from the input (attempts {attempts})");
+        let injected = (s.at_record.len() + s.at_time_ms.len()) as u32 + s.failed_commits;
+        prop_assert!(attempts <= injected + 1, "{attempts} attempts for {injected} injected failures");
+    }
+}
+
+/// (key, running count, running sum) per key, from a single source so the
+/// order per key, and therefore every emitted value, is deterministic.
+async fn run_keyed(
+    store: &MemoryCheckpointStore,
+    sink: &CollectingSink<(u64, u64, u64)>,
+    reducers: usize,
+    plan: Arc<FailPlan>,
+    restart: RestartStrategy,
+) -> Result<u32, Error> {
+    let job = JobBuilder::new(JobId::new("eo-keyed").unwrap());
+    job.source(
+        "numbers",
+        1,
+        VecSource::new(vec![(0..3_000u64).collect()])
+            .batch_size(7)
+            .pause(ms(1)),
+    )
+    .map("tag", move |n: u64| {
+        plan.check();
+        (n % 13, 1u64, n)
+    })
+    .key_by(|(k, _, _): &(u64, u64, u64)| *k)
+    .reduce("count-and-sum", |acc: &mut (u64, u64, u64), (_, c, n)| {
+        acc.1 += c;
+        acc.2 += n;
+    })
+    .parallelism(reducers)
+    .sink("out", 2, sink.clone());
+    let mut cfg = config(20);
+    cfg.restart = restart;
+    let report = JobRunner::new(job.build().unwrap(), Arc::new(store.clone()), cfg)
+        .run()
+        .await?;
+    Ok(report.attempts)
+}
+
+fn sorted(mut v: Vec<(u64, u64, u64)>) -> Vec<(u64, u64, u64)> {
+    v.sort_unstable();
+    v
+}
+
+fn final_values(v: &[(u64, u64, u64)]) -> BTreeMap<u64, (u64, u64)> {
+    let mut last = BTreeMap::new();
+    for (k, c, s) in v {
+        let e = last.entry(*k).or_insert((0, 0));
+        if *c > e.0 {
+            *e = (*c, *s);
+        }
+    }
+    last
+}
+
+#[tokio::test(start_paused = true)]
+async fn keyed_state_survives_failures_with_the_same_output() {
+    quiet_injected_panics();
+    let undisturbed = CollectingSink::new();
+    let attempts = run_keyed(
+        &MemoryCheckpointStore::new(),
+        &undisturbed,
+        2,
+        FailPlan::new(vec![], vec![]),
+        RestartStrategy::None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1);
+    let expected = sorted(undisturbed.committed());
+    assert_eq!(expected.len(), 3_000);
+    let totals = final_values(&expected);
+    assert_eq!(totals.len(), 13);
+    assert_eq!(totals.values().map(|(c, _)| c).sum::<u64>(), 3_000);
+    assert_eq!(
+        totals.values().map(|(_, s)| s).sum::<u64>(),
+        (0..3_000u64).sum::<u64>()
+    );
+
+    let disturbed = CollectingSink::new();
+    disturbed.fail_next_commits(1);
+    let plan = FailPlan::new(vec![400, 1_700], vec![ms(150)]);
+    let attempts = run_keyed(
+        &MemoryCheckpointStore::new(),
+        &disturbed,
+        2,
+        plan,
+        RestartStrategy::FixedDelay {
+            delay: ms(5),
+            max_attempts: 10,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        attempts >= 4,
+        "three panics and a failed commit, {attempts} attempts"
+    );
+    assert_eq!(sorted(disturbed.committed()), expected);
+}
+
+#[tokio::test(start_paused = true)]
+async fn keyed_state_is_redistributed_when_parallelism_changes() {
+    quiet_injected_panics();
+    let expected = {
+        let sink = CollectingSink::new();
+        run_keyed(
+            &MemoryCheckpointStore::new(),
+            &sink,
+            1,
+            FailPlan::new(vec![], vec![]),
+            RestartStrategy::None,
+        )
+        .await
+        .unwrap();
+        sorted(sink.committed())
+    };
+    // Two reducers, failing for good half-way; then the same job with three.
+    let store = MemoryCheckpointStore::new();
+    let sink = CollectingSink::new();
+    let err = run_keyed(
+        &store,
+        &sink,
+        2,
+        FailPlan::new(vec![1_500], vec![]),
+        RestartStrategy::None,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::JobFailed { attempts: 1, .. }),
+        "{err:?}"
+    );
+    assert!(
+        !store.persisted_ids().is_empty(),
+        "no checkpoint before the failure"
+    );
+    let committed_before = sink.committed().len();
+    assert!(committed_before < 3_000);
+    let attempts = run_keyed(
+        &store,
+        &sink,
+        3,
+        FailPlan::new(vec![], vec![]),
+        RestartStrategy::None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1);
+    assert_eq!(sorted(sink.committed()), expected);
+}
+
+#[tokio::test(start_paused = true)]
+async fn job_fails_with_the_root_cause_when_restarts_run_out() {
+    quiet_injected_panics();
+    let sink = CollectingSink::<u64>::new();
+    let job = JobBuilder::new(JobId::new("always-fails").unwrap());
+    job.source(
+        "numbers",
+        1,
+        VecSource::new(vec![(0..100u64).collect()]).pause(ms(1)),
+    )
+    .map("boom", |n: u64| -> u64 {
+        panic!("{INJECTED}: always, at {n}")
+    })
+    .sink("out", 1, sink.clone());
+    let mut cfg = config(10);
+    cfg.restart = RestartStrategy::FixedDelay {
+        delay: ms(100),
+        max_attempts: 2,
+    };
+    let started = Instant::now();
+    let err = JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        cfg,
+    )
+    .run()
+    .await
+    .unwrap_err();
+    let Error::JobFailed { attempts, cause } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(*attempts, 3);
+    assert!(
+        matches!(&**cause, Error::Panic { task, message } if task == "boom[0]" && message.contains("always")),
+        "{cause:?}"
+    );
+    assert!(started.elapsed() >= ms(200), "two restart delays of 100 ms");
+    assert!(sink.committed().is_empty());
+}

@@ -1,0 +1,750 @@
+//! `cargo xtask kafka start|stop|status [--port N]`: a real Apache Kafka broker for integration
+//! tests, one KRaft node (broker and controller in one JVM) listening on loopback only. `start`
+//! resolves the broker's jars from Maven Central with `mvn` (the assets live in `tools/kafka/`)
+//! into a cache that later starts reuse (`target/kafka/libs`, or `$TINYFLOW_KAFKA_HOME`), formats
+//! a fresh data directory under `target/kafka/run-<port>/`, starts `kafka.Kafka` in the
+//! background with `java` from PATH, waits until the port accepts connections and the broker has
+//! logged that it started, writes `kafka.pid` beside its `kafka.log` and prints
+//! `KAFKA_BOOTSTRAP=127.0.0.1:<port>` on stdout, the only thing any subcommand prints there, so a
+//! script can `eval "$(cargo xtask kafka start)"`. `stop` sends SIGTERM (SIGKILL after 30 s) to
+//! the pid in that file; `status` tells whether that broker runs and exits non-zero when it does
+//! not. The port is `--port N`, else `$TINYFLOW_KAFKA_PORT`, else 9092; each port has its own
+//! run directory, so brokers on different ports do not meet.
+
+use std::fs::{self, File};
+use std::io::ErrorKind;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+
+const DEFAULT_PORT: u16 = 9092;
+/// Fully qualified, so `mvn` needs no plugin-prefix lookup and the version is pinned.
+const COPY_DEPENDENCIES: &str =
+    "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies";
+/// JVM options of the broker: a small heap is plenty for tests, and an out-of-memory error
+/// ends the process (and so shows in the log) rather than leaving a half-working broker.
+const BROKER_JVM_OPTS: &[&str] = &[
+    "-Xms128m",
+    "-Xmx512m",
+    "-XX:+UseG1GC",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.awt.headless=true",
+];
+/// JVM options of the short-lived storage tool that formats the data directory.
+const TOOL_JVM_OPTS: &[&str] = &["-Xmx256m", "-Djava.awt.headless=true"];
+/// The line `kafka.server.KafkaRaftServer` logs once broker and controller are up.
+const STARTED_MARKER: &str = "Kafka Server started";
+/// A copy of the pom.xml a jar cache was resolved from: the cache is reused while it matches.
+const CACHE_STAMP: &str = ".resolved-from-pom.xml";
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+const KILL_TIMEOUT: Duration = Duration::from_secs(10);
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+const POLL: Duration = Duration::from_millis(250);
+const LOG_TAIL_LINES: usize = 60;
+
+/// Runs `cargo xtask kafka <args>`.
+pub(crate) fn main(args: &[String]) -> Result<()> {
+    let (action, port) = parse_args(args, std::env::var("TINYFLOW_KAFKA_PORT").ok())?;
+    let layout = Layout::new(port)?;
+    match action {
+        Action::Start => start(&layout),
+        Action::Stop => stop(&layout),
+        Action::Status => status(&layout),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Start,
+    Stop,
+    Status,
+}
+
+fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)> {
+    let usage = "usage: cargo xtask kafka <start|stop|status> [--port N]";
+    let action = match args.first().map(String::as_str) {
+        Some("start") => Action::Start,
+        Some("stop") => Action::Stop,
+        Some("status") => Action::Status,
+        other => bail!("unknown or missing kafka command {other:?}; {usage}"),
+    };
+    let mut port_text = None;
+    let mut rest = args[1..].iter();
+    while let Some(arg) = rest.next() {
+        if arg == "--port" {
+            port_text = Some(rest.next().context("--port needs a value")?.clone());
+        } else if let Some(value) = arg.strip_prefix("--port=") {
+            port_text = Some(value.to_owned());
+        } else {
+            bail!("unexpected argument {arg:?}; {usage}");
+        }
+    }
+    let port = match port_text.or(env_port) {
+        Some(text) => match text.trim().parse::<u16>() {
+            Ok(port) if port != 0 => port,
+            _ => bail!("invalid Kafka port {text:?}: expected 1-65535"),
+        },
+        None => DEFAULT_PORT,
+    };
+    Ok((action, port))
+}
+
+/// Where everything of the broker on one port lives.
+#[derive(Debug)]
+struct Layout {
+    port: u16,
+    /// `tools/kafka/`: pom.xml, server.properties.in, log4j2.properties.
+    assets: PathBuf,
+    /// The jar cache.
+    libs: PathBuf,
+    /// `target/kafka/run-<port>/`: server.properties, data/, kafka.log, kafka.pid.
+    run_dir: PathBuf,
+}
+
+impl Layout {
+    fn new(port: u16) -> Result<Self> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .context("xtask lies in the workspace root")?;
+        let libs = match std::env::var_os("TINYFLOW_KAFKA_HOME") {
+            Some(dir) if !dir.is_empty() => std::path::absolute(&dir)
+                .with_context(|| format!("resolving TINYFLOW_KAFKA_HOME {dir:?}"))?,
+            _ => root.join("target/kafka/libs"),
+        };
+        Ok(Self {
+            port,
+            assets: root.join("tools/kafka"),
+            libs,
+            run_dir: root.join(format!("target/kafka/run-{port}")),
+        })
+    }
+
+    fn pid_file(&self) -> PathBuf {
+        self.run_dir.join("kafka.pid")
+    }
+
+    fn log_file(&self) -> PathBuf {
+        self.run_dir.join("kafka.log")
+    }
+
+    fn address(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+    }
+
+    fn print_bootstrap(&self) {
+        println!("KAFKA_BOOTSTRAP={}", self.address());
+    }
+}
+
+fn start(layout: &Layout) -> Result<()> {
+    match broker_state(layout)? {
+        BrokerState::Running(pid) => {
+            eprintln!(
+                "xtask kafka: a broker started by xtask is already running on {} (pid {pid}, log {})",
+                layout.address(),
+                layout.log_file().display()
+            );
+            layout.print_bootstrap();
+            return Ok(());
+        }
+        BrokerState::Stale(pid) => eprintln!(
+            "xtask kafka: pid {pid} in {} is gone; starting afresh",
+            layout.pid_file().display()
+        ),
+        BrokerState::Absent => {}
+    }
+    if let Err(err) = TcpListener::bind(layout.address()) {
+        bail!(
+            "{} is already in use ({err}), and not by a broker started by xtask; \
+             stop that process or pick another port with --port or TINYFLOW_KAFKA_PORT",
+            layout.address()
+        );
+    }
+
+    let started = Instant::now();
+    let libs = ensure_jars(layout)?;
+    let classpath = format!("{}/*", libs.display());
+    let log4j = format!(
+        "-Dlog4j2.configurationFile={}",
+        layout.assets.join("log4j2.properties").display()
+    );
+
+    if layout.run_dir.exists() {
+        fs::remove_dir_all(&layout.run_dir)
+            .with_context(|| format!("removing old {}", layout.run_dir.display()))?;
+    }
+    let data_dir = layout.run_dir.join("data");
+    fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    let controller_port = free_port()?;
+    let template_path = layout.assets.join("server.properties.in");
+    let template = fs::read_to_string(&template_path)
+        .with_context(|| format!("reading {}", template_path.display()))?;
+    let properties = render_properties(&template, layout.port, controller_port, &data_dir)?;
+    let properties_path = layout.run_dir.join("server.properties");
+    fs::write(&properties_path, properties)
+        .with_context(|| format!("writing {}", properties_path.display()))?;
+
+    let cluster_id = cluster_id(layout.port);
+    eprintln!(
+        "xtask kafka: formatting {} (cluster id {cluster_id})",
+        data_dir.display()
+    );
+    let format_log = layout.run_dir.join("format.log");
+    let output = Command::new("java")
+        .arg("-cp")
+        .arg(&classpath)
+        .args(TOOL_JVM_OPTS)
+        .arg(&log4j)
+        .args(["kafka.tools.StorageTool", "format", "--standalone"])
+        .args(["--cluster-id", &cluster_id, "--config"])
+        .arg(&properties_path)
+        .stdin(Stdio::null())
+        .output()
+        .context("running java (is a JDK 17 or newer on PATH?)")?;
+    fs::write(&format_log, [output.stdout, output.stderr].concat())
+        .with_context(|| format!("writing {}", format_log.display()))?;
+    if !output.status.success() {
+        print_tail(&format_log);
+        bail!(
+            "formatting the Kafka data directory failed ({}); see {}",
+            output.status,
+            format_log.display()
+        );
+    }
+
+    let log_path = layout.log_file();
+    let log =
+        File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+    let mut child = Command::new("java")
+        .arg("-cp")
+        .arg(&classpath)
+        .args(BROKER_JVM_OPTS)
+        .arg(&log4j)
+        .arg("kafka.Kafka")
+        .arg(&properties_path)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().context("duplicating the log file handle")?)
+        .stderr(log)
+        // Its own process group: a Ctrl-C meant for this command (or a later one in the same
+        // terminal) does not reach the broker, which outlives this command until `stop`.
+        .process_group(0)
+        .spawn()
+        .context("starting java (is a JDK 17 or newer on PATH?)")?;
+    let pid = child.id();
+    fs::write(layout.pid_file(), format!("{pid}\n"))
+        .with_context(|| format!("writing {}", layout.pid_file().display()))?;
+    eprintln!(
+        "xtask kafka: broker pid {pid} starting on {}, log {}",
+        layout.address(),
+        log_path.display()
+    );
+
+    if let Err(err) = wait_until_started(layout, &mut child) {
+        print_tail(&log_path);
+        // Best effort: the broker may already have exited, which is what the error says.
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = fs::remove_file(layout.pid_file());
+        return Err(err.context(format!(
+            "the Kafka broker did not start; its log is {}",
+            log_path.display()
+        )));
+    }
+    eprintln!(
+        "xtask kafka: broker pid {pid} ready on {} after {:.1} s (stop it with `cargo xtask kafka stop{}`)",
+        layout.address(),
+        started.elapsed().as_secs_f64(),
+        if layout.port == DEFAULT_PORT {
+            String::new()
+        } else {
+            format!(" --port {}", layout.port)
+        }
+    );
+    layout.print_bootstrap();
+    Ok(())
+}
+
+/// Waits until the broker's port accepts connections and its log says it started; fails if it
+/// exits first or takes longer than [`START_TIMEOUT`].
+fn wait_until_started(layout: &Layout, child: &mut Child) -> Result<()> {
+    let started = Instant::now();
+    let mut next_progress = PROGRESS_EVERY;
+    loop {
+        if let Some(status) = child.try_wait().context("checking on the broker")? {
+            bail!("the broker exited during startup ({status})");
+        }
+        let log = read_lossy(&layout.log_file());
+        let logged = log.contains(STARTED_MARKER);
+        let listening = TcpStream::connect_timeout(&layout.address(), POLL).is_ok();
+        if logged && listening {
+            return Ok(());
+        }
+        let elapsed = started.elapsed();
+        if elapsed >= START_TIMEOUT {
+            bail!(
+                "timed out after {} s: port {} {}, {:?} {}",
+                START_TIMEOUT.as_secs(),
+                layout.port,
+                if listening { "open" } else { "closed" },
+                STARTED_MARKER,
+                if logged { "logged" } else { "not logged" },
+            );
+        }
+        if elapsed >= next_progress {
+            next_progress += PROGRESS_EVERY;
+            let last = log.lines().last().unwrap_or("");
+            eprintln!(
+                "xtask kafka: waiting for the broker ({} s): port {}; last log line: {}",
+                elapsed.as_secs(),
+                if listening { "open" } else { "closed" },
+                last.chars().take(120).collect::<String>()
+            );
+        }
+        sleep(POLL);
+    }
+}
+
+fn stop(layout: &Layout) -> Result<()> {
+    let pid = match broker_state(layout)? {
+        BrokerState::Absent => {
+            eprintln!(
+                "xtask kafka: no broker started by xtask on port {} (no {})",
+                layout.port,
+                layout.pid_file().display()
+            );
+            return Ok(());
+        }
+        BrokerState::Stale(pid) => {
+            remove_pid_file(layout)?;
+            eprintln!(
+                "xtask kafka: broker pid {pid} on port {} had already exited; removed its pid file",
+                layout.port
+            );
+            return Ok(());
+        }
+        BrokerState::Running(pid) => pid,
+    };
+    let started = Instant::now();
+    eprintln!(
+        "xtask kafka: stopping broker pid {pid} on port {} (SIGTERM)",
+        layout.port
+    );
+    signal(pid, "TERM")?;
+    if !wait_for_exit(pid, STOP_TIMEOUT) {
+        eprintln!(
+            "xtask kafka: broker pid {pid} still running after {} s: SIGKILL",
+            STOP_TIMEOUT.as_secs()
+        );
+        signal(pid, "KILL")?;
+        if !wait_for_exit(pid, KILL_TIMEOUT) {
+            bail!("broker pid {pid} survived SIGKILL; pid file left in place");
+        }
+    }
+    remove_pid_file(layout)?;
+    eprintln!(
+        "xtask kafka: broker pid {pid} stopped after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn status(layout: &Layout) -> Result<()> {
+    match broker_state(layout)? {
+        BrokerState::Running(pid) => {
+            let listening = TcpStream::connect_timeout(&layout.address(), POLL).is_ok();
+            eprintln!(
+                "xtask kafka: running: pid {pid} on {} (port {}), log {}",
+                layout.address(),
+                if listening {
+                    "accepting connections"
+                } else {
+                    "not accepting connections"
+                },
+                layout.log_file().display()
+            );
+            layout.print_bootstrap();
+            Ok(())
+        }
+        BrokerState::Stale(pid) => bail!(
+            "kafka is not running on port {}: pid {pid} in {} has exited",
+            layout.port,
+            layout.pid_file().display()
+        ),
+        BrokerState::Absent => bail!(
+            "kafka is not running on port {} (no broker started by xtask)",
+            layout.port
+        ),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BrokerState {
+    /// No pid file.
+    Absent,
+    /// A pid file whose process is gone (or is no longer a Kafka broker).
+    Stale(u32),
+    /// A pid file whose process is our broker.
+    Running(u32),
+}
+
+fn broker_state(layout: &Layout) -> Result<BrokerState> {
+    let path = layout.pid_file();
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == ErrorKind::NotFound => return Ok(BrokerState::Absent),
+        Err(err) => return Err(err).with_context(|| format!("reading {}", path.display())),
+    };
+    let pid: u32 = text
+        .trim()
+        .parse()
+        .with_context(|| format!("{} holds no pid: {text:?}", path.display()))?;
+    Ok(if is_broker_alive(pid) {
+        BrokerState::Running(pid)
+    } else {
+        BrokerState::Stale(pid)
+    })
+}
+
+/// Whether `pid` is a live Kafka broker. On Linux its command line must name `kafka.Kafka`, so
+/// a pid reused by another process after a reboot is not taken for the broker (nor signalled),
+/// and an exited but unreaped broker (a zombie, whose command line is empty) counts as gone.
+fn is_broker_alive(pid: u32) -> bool {
+    if Path::new("/proc/self").exists() {
+        fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|cmdline| cmdline.windows(11).any(|w| w == b"kafka.Kafka"))
+    } else {
+        signal(pid, "0").is_ok()
+    }
+}
+
+/// Sends `signal` (a name such as TERM, or 0 to probe) with the `kill` command, which keeps
+/// this crate free of libc and unsafe code.
+fn signal(pid: u32, signal: &str) -> Result<()> {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .stderr(Stdio::null())
+        .status()
+        .context("running kill")?;
+    if !status.success() {
+        bail!("kill -{signal} {pid} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Polls until `pid` is no longer a live broker; false if it still is after `timeout`.
+fn wait_for_exit(pid: u32, timeout: Duration) -> bool {
+    let started = Instant::now();
+    let mut next_progress = PROGRESS_EVERY;
+    while is_broker_alive(pid) {
+        let elapsed = started.elapsed();
+        if elapsed >= timeout {
+            return false;
+        }
+        if elapsed >= next_progress {
+            next_progress += PROGRESS_EVERY;
+            eprintln!(
+                "xtask kafka: waiting for pid {pid} to exit ({} s)",
+                elapsed.as_secs()
+            );
+        }
+        sleep(Duration::from_millis(100));
+    }
+    true
+}
+
+fn remove_pid_file(layout: &Layout) -> Result<()> {
+    match fs::remove_file(layout.pid_file()) {
+        Err(err) if err.kind() != ErrorKind::NotFound => {
+            Err(err).with_context(|| format!("removing {}", layout.pid_file().display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Returns the jar directory, resolving it with `mvn` first unless it already holds the jars
+/// of the current `tools/kafka/pom.xml`.
+fn ensure_jars(layout: &Layout) -> Result<PathBuf> {
+    let pom_path = layout.assets.join("pom.xml");
+    let pom =
+        fs::read_to_string(&pom_path).with_context(|| format!("reading {}", pom_path.display()))?;
+    let libs = &layout.libs;
+    if cache_matches(libs, &pom) {
+        eprintln!("xtask kafka: using the Kafka jars in {}", libs.display());
+        return Ok(libs.clone());
+    }
+    let foreign = libs.exists()
+        && !libs.join(CACHE_STAMP).exists()
+        && fs::read_dir(libs)
+            .with_context(|| format!("listing {}", libs.display()))?
+            .next()
+            .is_some();
+    if foreign {
+        bail!(
+            "{} is not empty and was not filled by xtask (no {CACHE_STAMP}); \
+             empty it or point TINYFLOW_KAFKA_HOME at another directory",
+            libs.display()
+        );
+    }
+    let name = libs
+        .file_name()
+        .context("the Kafka jar directory needs a name")?
+        .to_string_lossy();
+    let partial = libs.with_file_name(format!("{name}.partial-{}", std::process::id()));
+    if partial.exists() {
+        fs::remove_dir_all(&partial).with_context(|| format!("removing {}", partial.display()))?;
+    }
+    eprintln!(
+        "xtask kafka: resolving the Kafka jars with mvn into {} (the first run downloads ~60 MB \
+         into the Maven repository, usually under a minute)",
+        libs.display()
+    );
+    let started = Instant::now();
+    let child = Command::new("mvn")
+        .args(["-B", "-q", "-Dstyle.color=never", "-f"])
+        .arg(&pom_path)
+        .args([COPY_DEPENDENCIES, "-DincludeScope=runtime"])
+        .arg(format!("-DoutputDirectory={}", partial.display()))
+        .stdin(Stdio::null())
+        // stdout carries only KAFKA_BOOTSTRAP=...; Maven's messages go to stderr.
+        .stdout(std::io::stderr())
+        .spawn()
+        .context("running mvn (is Maven on PATH?)")?;
+    let status = wait_with_progress(child, "mvn")?;
+    if !status.success() {
+        bail!("mvn could not resolve the Kafka jars ({status}); its output is above");
+    }
+    if !has_broker_jar(&partial) {
+        bail!(
+            "mvn succeeded but left no kafka_2.13-*.jar in {}",
+            partial.display()
+        );
+    }
+    fs::write(partial.join(CACHE_STAMP), &pom)
+        .with_context(|| format!("writing {}", partial.join(CACHE_STAMP).display()))?;
+    if libs.exists() {
+        fs::remove_dir_all(libs).with_context(|| format!("removing old {}", libs.display()))?;
+    }
+    if let Err(err) = fs::rename(&partial, libs) {
+        // Another start may have filled the cache meanwhile; its copy is as good as ours.
+        let _ = fs::remove_dir_all(&partial);
+        if !cache_matches(libs, &pom) {
+            return Err(err).with_context(|| format!("moving the jars into {}", libs.display()));
+        }
+    }
+    let bytes: u64 = fs::read_dir(libs)
+        .with_context(|| format!("listing {}", libs.display()))?
+        .filter_map(|entry| entry.ok()?.metadata().ok())
+        .map(|meta| meta.len())
+        .sum();
+    eprintln!(
+        "xtask kafka: resolved the jars in {:.1} s ({:.1} MB in {})",
+        started.elapsed().as_secs_f64(),
+        bytes as f64 / 1e6,
+        libs.display()
+    );
+    Ok(libs.clone())
+}
+
+fn cache_matches(libs: &Path, pom: &str) -> bool {
+    fs::read_to_string(libs.join(CACHE_STAMP)).is_ok_and(|stamp| stamp == pom)
+        && has_broker_jar(libs)
+}
+
+fn has_broker_jar(dir: &Path) -> bool {
+    fs::read_dir(dir).is_ok_and(|entries| {
+        entries.filter_map(Result::ok).any(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("kafka_2.13-") && name.ends_with(".jar")
+        })
+    })
+}
+
+/// Waits for `child`, saying every few seconds that it still runs.
+fn wait_with_progress(mut child: Child, what: &str) -> Result<ExitStatus> {
+    let started = Instant::now();
+    let mut next_progress = PROGRESS_EVERY;
+    loop {
+        if let Some(status) = child
+            .try_wait()
+            .with_context(|| format!("waiting for {what}"))?
+        {
+            return Ok(status);
+        }
+        if started.elapsed() >= next_progress {
+            next_progress += PROGRESS_EVERY;
+            eprintln!(
+                "xtask kafka: {what} still running ({} s)",
+                started.elapsed().as_secs()
+            );
+        }
+        sleep(POLL);
+    }
+}
+
+/// Fills in server.properties.in; fails if a placeholder is left.
+fn render_properties(
+    template: &str,
+    port: u16,
+    controller_port: u16,
+    data_dir: &Path,
+) -> Result<String> {
+    let data = data_dir
+        .to_str()
+        .context("the Kafka data directory path is not UTF-8")?;
+    let rendered = template
+        .replace("@PORT@", &port.to_string())
+        .replace("@CONTROLLER_PORT@", &controller_port.to_string())
+        .replace("@DATA@", data);
+    if let Some(line) = rendered
+        .lines()
+        .find(|line| !line.trim_start().starts_with('#') && line.contains('@'))
+    {
+        bail!("server.properties.in has a placeholder xtask does not fill: {line:?}");
+    }
+    Ok(rendered)
+}
+
+/// A free loopback port for the controller listener, which no client uses.
+fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("finding a free port")?;
+    Ok(listener
+        .local_addr()
+        .context("reading a bound port")?
+        .port())
+}
+
+/// A Kafka cluster id: 16 bytes in unpadded URL-safe base64, as `kafka-storage random-uuid`
+/// prints, made here to save a JVM start. Unique enough for a data directory that lives for one
+/// run: the time in nanoseconds, our pid and the port.
+fn cluster_id(port: u16) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos());
+    let mixed =
+        nanos ^ (u128::from(std::process::id()) << 64) ^ (u128::from(port) << 96) ^ (1 << 126);
+    let mut bytes = mixed.to_be_bytes();
+    // The first character comes from the top six bits: keep it a letter, never '-' (which the
+    // command line would read as an option) or '_'.
+    bytes[0] &= 0x7f;
+    base64_url(&bytes)
+}
+
+/// Unpadded URL-safe base64 (RFC 4648 section 5), the form of Kafka's `Uuid::toString`.
+fn base64_url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let mut group = [0u8; 3];
+        group[..chunk.len()].copy_from_slice(chunk);
+        let n = u32::from(group[0]) << 16 | u32::from(group[1]) << 8 | u32::from(group[2]);
+        for i in 0..=chunk.len() {
+            out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
+        }
+    }
+    out
+}
+
+fn read_lossy(path: &Path) -> String {
+    fs::read(path)
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default()
+}
+
+/// Prints the last lines of a log on stderr.
+fn print_tail(path: &Path) {
+    let text = read_lossy(path);
+    let lines: Vec<&str> = text.lines().collect();
+    let from = lines.len().saturating_sub(LOG_TAIL_LINES);
+    eprintln!(
+        "xtask kafka: ---- last {} lines of {} ----",
+        lines.len() - from,
+        path.display()
+    );
+    for line in &lines[from..] {
+        eprintln!("{line}");
+    }
+    eprintln!("xtask kafka: ---- end of {} ----", path.display());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn port_comes_from_flag_then_env_then_default() {
+        assert_eq!(
+            parse_args(&args(&["start"]), None).unwrap(),
+            (Action::Start, 9092)
+        );
+        assert_eq!(
+            parse_args(&args(&["stop"]), Some("19092".into())).unwrap(),
+            (Action::Stop, 19092)
+        );
+        assert_eq!(
+            parse_args(&args(&["status", "--port", "29092"]), Some("19092".into())).unwrap(),
+            (Action::Status, 29092)
+        );
+        assert_eq!(
+            parse_args(&args(&["start", "--port=39092"]), None).unwrap(),
+            (Action::Start, 39092)
+        );
+        assert!(parse_args(&args(&["start", "--port", "0"]), None).is_err());
+        assert!(parse_args(&args(&["start", "--port"]), None).is_err());
+        assert!(parse_args(&args(&["start"]), Some("x".into())).is_err());
+        assert!(parse_args(&args(&["start", "--verbose"]), None).is_err());
+        assert!(parse_args(&args(&["restart"]), None).is_err());
+        assert!(parse_args(&args(&[]), None).is_err());
+    }
+
+    #[test]
+    fn the_shipped_template_renders_completely() {
+        let template = include_str!("../../tools/kafka/server.properties.in");
+        let rendered =
+            render_properties(template, 19092, 40001, Path::new("/tmp/kafka/data")).unwrap();
+        assert!(
+            rendered
+                .contains("listeners=PLAINTEXT://127.0.0.1:19092,CONTROLLER://127.0.0.1:40001\n")
+        );
+        assert!(rendered.contains("advertised.listeners=PLAINTEXT://127.0.0.1:19092\n"));
+        assert!(rendered.contains("controller.quorum.bootstrap.servers=127.0.0.1:40001\n"));
+        assert!(rendered.contains("log.dirs=/tmp/kafka/data\n"));
+        assert!(render_properties("x=@OTHER@\n", 1, 2, Path::new("/d")).is_err());
+    }
+
+    #[test]
+    fn base64_matches_kafka_uuid_strings() {
+        // Kafka's Uuid.ZERO_UUID and Uuid.METADATA_TOPIC_ID (new Uuid(0, 1)).
+        assert_eq!(base64_url(&[0; 16]), "AAAAAAAAAAAAAAAAAAAAAA");
+        let mut one = [0; 16];
+        one[15] = 1;
+        assert_eq!(base64_url(&one), "AAAAAAAAAAAAAAAAAAAAAQ");
+        // RFC 4648 test vectors, unpadded.
+        assert_eq!(base64_url(b"f"), "Zg");
+        assert_eq!(base64_url(b"fo"), "Zm8");
+        assert_eq!(base64_url(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64_url(&[0xfb, 0xff]), "-_8");
+    }
+
+    #[test]
+    fn cluster_ids_have_the_form_kafka_expects() {
+        let id = cluster_id(9092);
+        assert_eq!(id.len(), 22);
+        assert!(id.starts_with(|c: char| c.is_ascii_alphabetic()));
+        assert!(
+            id.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        );
+    }
+}
