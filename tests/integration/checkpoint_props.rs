@@ -12,8 +12,8 @@
 //!   it durable;
 //! - I3: completions (notifications) carry strictly increasing ids;
 //! - I4: every registered task is notified of each completion;
-//! - I5: a checkpoint past its deadline is aborted in that same step (unless
-//!   its write is under way), never completes afterwards, and the job fails
+//! - I5: a checkpoint past its deadline that still waits for acks is aborted
+//!   in that same step, never completes afterwards, and the job fails
 //!   exactly when consecutive failures exceed the tolerance;
 //! - I6: a lost task aborts every checkpoint waiting for it, at once, and fails
 //!   the job;
@@ -719,7 +719,8 @@ impl Run<'_> {
         })?;
         // I5: nothing waits for acks past its deadline.
         for (id, p) in &m.pending {
-            self.check(p.deadline > self.now || m.writing.contains(id), || {
+            let fully_acked = p.acked.len() == p.expected.len();
+            self.check(p.deadline > self.now || fully_acked, || {
                 format!("{id} past its deadline")
             })?;
             // I6: nothing waits for a task that is gone.

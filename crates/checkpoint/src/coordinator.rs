@@ -228,9 +228,9 @@ impl Coordinator {
         }
         let timeouts = self
             .pending
-            .iter()
-            .filter(|(id, _)| !self.persisting.contains(id))
-            .map(|(_, p)| p.deadline);
+            .values()
+            .filter(|p| !p.awaiting.is_empty())
+            .map(|p| p.deadline);
         let slot = match self.phase {
             Phase::Running => self.next_slot,
             _ => None,
@@ -522,15 +522,18 @@ impl Coordinator {
         self.fail(Error::TaskLost { task, cause }, out);
     }
 
-    /// Aborts checkpoints past their deadline that still wait for acks. One
-    /// whose metadata is being written is left to the store's verdict: the
-    /// write cannot be called back, and a checkpoint that became durable
-    /// after being declared aborted would be restored by the next attempt.
+    /// Aborts checkpoints past their deadline that still wait for acks (the
+    /// timeout is about slow tasks). A fully acked one is left alone: either
+    /// its metadata is being written, and the store decides (the write cannot
+    /// be called back, and a checkpoint that became durable after being
+    /// declared aborted would be restored by the next attempt), or it waits
+    /// behind a newer one being written, which subsumes it or, if that write
+    /// fails, lets it be written instead.
     fn expire(&mut self, now: Now, out: &mut Vec<Action>) {
         let expired: Vec<_> = self
             .pending
             .iter()
-            .filter(|(id, p)| p.deadline <= now.at && !self.persisting.contains(id))
+            .filter(|(_, p)| p.deadline <= now.at && !p.awaiting.is_empty())
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
