@@ -11,6 +11,8 @@
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
 //!   points; committed output equals the expected output; keyed state across restore and
 //!   rescale.
+//! - `runtime_windows`: event-time windows, watermarks, lateness and side output, and window
+//!   results across restore.
 
 #![allow(
     clippy::unwrap_used,
@@ -22,3 +24,4 @@ mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
 mod runtime_exactly_once;
+mod runtime_windows;

@@ -25,9 +25,9 @@ use std::sync::Arc;
 
 use crate::operator::{TypedSinkFactory, TypedSourceFactory, downcast};
 use crate::{
-    AnyBatch, Data, ErasedSinkFactory, ErasedSourceFactory, JobId, Key, Operator, OperatorContext,
-    OperatorFactory, OperatorState, SinkFactory, SourceFactory, StateValue, StreamError,
-    StreamResult, key_group, owner_of_group,
+    AnyBatch, Collector, Data, ErasedSinkFactory, ErasedSourceFactory, JobId, Key, Operator,
+    OperatorContext, OperatorFactory, OperatorState, SinkFactory, SourceFactory, StateValue,
+    StreamError, StreamResult, key_group, owner_of_group,
 };
 
 /// Index of a node in a [`JobGraph`].
@@ -305,7 +305,11 @@ impl<T: Data> Stream<T> {
         self
     }
 
-    fn then<U: Data>(self, name: &str, factory: impl OperatorFactory + 'static) -> Stream<U> {
+    pub(crate) fn then<U: Data>(
+        self,
+        name: &str,
+        factory: impl OperatorFactory + 'static,
+    ) -> Stream<U> {
         let parallelism = self.graph.borrow().nodes[self.node].parallelism;
         let node = add_node(
             &self.graph,
@@ -323,6 +327,30 @@ impl<T: Data> Stream<T> {
             next: None,
             _t: PhantomData,
         }
+    }
+
+    /// A second handle on the same node, for a second consumer (records are
+    /// cloned to each).
+    pub(crate) fn branch(&self) -> Stream<T> {
+        Stream {
+            graph: Rc::clone(&self.graph),
+            node: self.node,
+            next: None,
+            _t: PhantomData,
+        }
+    }
+
+    /// Adds a keyed operator fed by hash partitioning on `key`.
+    pub(crate) fn then_keyed<K: Key, U: Data>(
+        mut self,
+        name: &str,
+        key: &KeyFn<K, T>,
+        factory: impl OperatorFactory + 'static,
+    ) -> Stream<U> {
+        self.next = Some(Partitioning::Hash(Arc::new(HashPartitioner {
+            key: Arc::clone(key),
+        })));
+        self.then(name, factory)
     }
 
     /// Applies `f` to every record.
@@ -403,7 +431,7 @@ impl<T: Data> Stream<T> {
     }
 }
 
-type KeyFn<K, T> = Arc<dyn Fn(&T) -> K + Send + Sync>;
+pub(crate) type KeyFn<K, T> = Arc<dyn Fn(&T) -> K + Send + Sync>;
 
 /// A stream partitioned by key; see [`Stream::key_by`].
 pub struct KeyedStream<K, T> {
@@ -432,20 +460,19 @@ impl<K: Key, T: StateValue> KeyedStream<K, T> {
         name: &str,
         f: impl Fn(&mut T, T) + Clone + Send + Sync + 'static,
     ) -> Stream<T> {
-        let key = Arc::clone(&self.key);
-        let mut stream = self.stream;
-        stream.next = Some(Partitioning::Hash(Arc::new(HashPartitioner {
+        let (stream, key) = self.into_parts();
+        let factory = ReduceFactory {
             key: Arc::clone(&key),
-        })));
-        let name_owned = name.to_owned();
-        stream.then(
-            name,
-            ReduceFactory {
-                key,
-                f,
-                name: name_owned,
-            },
-        )
+            f,
+            name: name.to_owned(),
+        };
+        stream.then_keyed(name, &key, factory)
+    }
+}
+
+impl<K, T> KeyedStream<K, T> {
+    pub(crate) fn into_parts(self) -> (Stream<T>, KeyFn<K, T>) {
+        (self.stream, self.key)
     }
 }
 
@@ -478,7 +505,7 @@ impl<K: Key, T: Data> Partitioner for HashPartitioner<K, T> {
     }
 }
 
-struct FnFactory<F>(F);
+pub(crate) struct FnFactory<F>(pub(crate) F);
 
 impl<O: Operator + 'static, F: Fn() -> O + Send + Sync> OperatorFactory for FnFactory<F> {
     fn create(&self, _ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>> {
@@ -503,11 +530,8 @@ impl<T, U, F> Stateless<T, U, F> {
 }
 
 impl<T: Data, U: Data, F: FnMut(Vec<T>) -> Vec<U> + Send> Operator for Stateless<T, U, F> {
-    fn process(&mut self, batch: AnyBatch, out: &mut Vec<AnyBatch>) -> StreamResult<()> {
-        let output = (self.f)(downcast::<T>(batch, &self.name)?);
-        if !output.is_empty() {
-            out.push(AnyBatch::new(output));
-        }
+    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
+        out.batch(AnyBatch::new((self.f)(downcast::<T>(batch, &self.name)?)));
         Ok(())
     }
 }
@@ -541,7 +565,7 @@ struct Reduce<K, T, F> {
 }
 
 impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Send> Operator for Reduce<K, T, F> {
-    fn process(&mut self, batch: AnyBatch, out: &mut Vec<AnyBatch>) -> StreamResult<()> {
+    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
         let records = downcast::<T>(batch, &self.name)?;
         let mut updated = Vec::with_capacity(records.len());
         for r in records {
@@ -555,9 +579,7 @@ impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Send> Operator for Reduce<K, T, F
             };
             updated.push(value.clone());
         }
-        if !updated.is_empty() {
-            out.push(AnyBatch::new(updated));
-        }
+        out.batch(AnyBatch::new(updated));
         Ok(())
     }
 

@@ -30,6 +30,7 @@ mod error;
 mod ids;
 mod job;
 mod operator;
+mod window;
 
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -49,6 +50,8 @@ pub use job::{
     Stream,
 };
 pub use operator::{
-    ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory, Operator, OperatorContext,
-    OperatorFactory, OperatorState, Sink, SinkFactory, SinkRestore, Source, SourceFactory,
+    Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory, Operator,
+    OperatorContext, OperatorFactory, OperatorState, Sink, SinkFactory, SinkRestore, Source,
+    SourceFactory,
 };
+pub use window::{TumblingWindows, Window, WindowOutput, WindowedStream};

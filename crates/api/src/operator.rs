@@ -35,13 +35,57 @@ pub struct OperatorState {
     pub local: Option<Vec<u8>>,
 }
 
+/// What an operator emits while handling one input: batches and
+/// watermarks, in order.
+#[derive(Debug, Default)]
+pub struct Collector {
+    items: Vec<Emitted>,
+}
+
+/// One item a [`Collector`] holds.
+#[derive(Debug)]
+pub enum Emitted {
+    /// Records.
+    Batch(AnyBatch),
+    /// Event time (ms since the Unix epoch) up to which no more records are
+    /// expected.
+    Watermark(i64),
+}
+
+impl Collector {
+    /// Emits records (an empty batch is dropped).
+    pub fn batch(&mut self, batch: AnyBatch) {
+        if !batch.is_empty() {
+            self.items.push(Emitted::Batch(batch));
+        }
+    }
+
+    /// Emits a watermark.
+    pub fn watermark(&mut self, watermark: i64) {
+        self.items.push(Emitted::Watermark(watermark));
+    }
+
+    /// Takes what was emitted.
+    pub fn drain(&mut self) -> std::vec::Drain<'_, Emitted> {
+        self.items.drain(..)
+    }
+}
+
 /// A type-erased transformation, one instance per subtask.
 pub trait Operator: Send {
-    /// Processes one input batch, pushing output batches to `out`.
-    fn process(&mut self, batch: AnyBatch, out: &mut Vec<AnyBatch>) -> StreamResult<()>;
+    /// Processes one input batch.
+    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()>;
 
-    /// Every input reached its end: emit what is still held.
-    fn finish(&mut self, _out: &mut Vec<AnyBatch>) -> StreamResult<()> {
+    /// The combined watermark of the inputs advanced to `watermark`. The
+    /// default forwards it.
+    fn on_watermark(&mut self, watermark: i64, out: &mut Collector) -> StreamResult<()> {
+        out.watermark(watermark);
+        Ok(())
+    }
+
+    /// Every input reached its end (after a final watermark of `i64::MAX`):
+    /// emit what is still held.
+    fn finish(&mut self, _out: &mut Collector) -> StreamResult<()> {
         Ok(())
     }
 

@@ -23,8 +23,8 @@ use std::future::poll_fn;
 use std::task::Poll;
 
 use tinyflow_api::{
-    AnyBatch, CheckpointId, ErasedSink, ErasedSource, FromTask, Operator, Partitioning, TaskId,
-    ToTask,
+    AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, FromTask, Operator,
+    Partitioning, TaskId, ToTask,
 };
 use tinyflow_checkpoint::CoordinatorHandle;
 use tokio::sync::mpsc;
@@ -38,6 +38,8 @@ pub enum Message {
     Data(AnyBatch),
     /// Checkpoint barrier.
     Barrier(CheckpointId),
+    /// Event time up to which the upstream subtask will send no more records.
+    Watermark(i64),
     /// The upstream subtask will send no more records (barriers may follow).
     EndOfData,
 }
@@ -96,6 +98,22 @@ impl TaskIo {
             }
         }
         Ok(())
+    }
+
+    /// Sends what an operator emitted, in order; returns the records sent.
+    async fn emit_collected(&mut self, out: &mut Collector) -> Result<u64, TaskError> {
+        let mut records = 0;
+        let items: Vec<Emitted> = out.drain().collect();
+        for item in items {
+            match item {
+                Emitted::Batch(b) => {
+                    records += b.len() as u64;
+                    self.emit(b).await?;
+                }
+                Emitted::Watermark(w) => self.broadcast(|| Message::Watermark(w)).await?,
+            }
+        }
+        Ok(records)
     }
 
     async fn broadcast(&mut self, msg: impl Fn() -> Message) -> Result<(), TaskError> {
@@ -204,7 +222,9 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
     let mut aligning: Option<CheckpointId> = None;
     let mut next = 0usize;
     let mut inputs_done = n == 0;
-    let mut out = Vec::new();
+    let mut watermarks = vec![i64::MIN; n];
+    let mut watermark = i64::MIN;
+    let mut out = Collector::default();
     let (mut records_in, mut records_out) = (0u64, 0u64);
     loop {
         let inputs = &mut io.inputs;
@@ -247,13 +267,15 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                     match &mut body {
                         Body::Operator(op) => {
                             op.process(batch, &mut out)?;
-                            for b in out.drain(..) {
-                                records_out += b.len() as u64;
-                                io.emit(b).await?;
-                            }
+                            records_out += io.emit_collected(&mut out).await?;
                         }
                         Body::Sink(sink) => sink.write(batch).await?,
                     }
+                }
+                Some((i, Message::Watermark(w))) => {
+                    next = i + 1;
+                    watermarks[i] = watermarks[i].max(w);
+                    records_out += advance(&mut io, &mut body, &watermarks, &mut watermark, &mut out).await?;
                 }
                 Some((i, Message::Barrier(id))) => {
                     if let Some(current) = aligning && current != id {
@@ -279,14 +301,14 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                 }
                 Some((i, Message::EndOfData)) => {
                     ended[i] = true;
+                    // An ended input holds no event time back.
+                    watermarks[i] = i64::MAX;
+                    records_out += advance(&mut io, &mut body, &watermarks, &mut watermark, &mut out).await?;
                     if ended.iter().all(|e| *e)
                         && let Body::Operator(op) = &mut body
                     {
                         op.finish(&mut out)?;
-                        for b in out.drain(..) {
-                            records_out += b.len() as u64;
-                            io.emit(b).await?;
-                        }
+                        records_out += io.emit_collected(&mut out).await?;
                         io.broadcast(|| Message::EndOfData).await?;
                     }
                 }
@@ -297,4 +319,27 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
     }
     tracing::debug!(task = %io.label(), records_in, records_out, "task done");
     Ok(())
+}
+
+/// Hands the operator the combined (minimum) watermark of the inputs when it
+/// advanced; returns the records emitted.
+async fn advance(
+    io: &mut TaskIo,
+    body: &mut Body,
+    watermarks: &[i64],
+    current: &mut i64,
+    out: &mut Collector,
+) -> Result<u64, TaskError> {
+    let combined = watermarks.iter().copied().min().unwrap_or(i64::MAX);
+    if combined <= *current {
+        return Ok(0);
+    }
+    *current = combined;
+    match body {
+        Body::Operator(op) => {
+            op.on_watermark(combined, out)?;
+            io.emit_collected(out).await
+        }
+        Body::Sink(_) => Ok(0),
+    }
 }
