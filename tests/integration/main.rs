@@ -11,6 +11,7 @@
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
 //!   points; committed output equals the expected output; keyed state across restore and
 //!   rescale.
+//! - `runtime_metrics`: per-operator and checkpoint metrics through the `metrics` facade.
 //! - `runtime_windows`: event-time windows, watermarks, lateness and side output, and window
 //!   results across restore.
 
@@ -24,4 +25,5 @@ mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
 mod runtime_exactly_once;
+mod runtime_metrics;
 mod runtime_windows;

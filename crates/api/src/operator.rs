@@ -176,6 +176,13 @@ pub trait SinkFactory<T: Data>: Send + Sync {
         ctx: &OperatorContext,
         restored: Option<SinkRestore<'_>>,
     ) -> StreamResult<Box<dyn Sink<T>>>;
+
+    /// Whether the sink makes data visible only on commit (the default).
+    /// A job with a transactional sink must checkpoint; a sink that is not
+    /// (a counter, a log) may run with checkpointing off.
+    fn is_transactional(&self) -> bool {
+        true
+    }
 }
 
 /// [`Source`] with the record type erased, as the runtime drives it.
@@ -219,6 +226,9 @@ pub trait ErasedSinkFactory: Send + Sync {
         ctx: &OperatorContext,
         restored: Option<SinkRestore<'_>>,
     ) -> StreamResult<Box<dyn ErasedSink>>;
+
+    /// See [`SinkFactory::is_transactional`].
+    fn is_transactional(&self) -> bool;
 }
 
 pub(crate) struct TypedSource<T>(pub(crate) Box<dyn Source<T>>);
@@ -291,6 +301,10 @@ impl<T: Data, F: SinkFactory<T>> ErasedSinkFactory for TypedSinkFactory<T, F> {
             inner,
             name: ctx.name.clone(),
         }))
+    }
+
+    fn is_transactional(&self) -> bool {
+        self.0.is_transactional()
     }
 }
 

@@ -444,6 +444,13 @@ impl Coordinator {
             is_final = p.is_final,
             "checkpoint completed"
         );
+        let job = self.job_id.to_string();
+        metrics::counter!("tinyflow_checkpoints_completed_total", "job" => job.clone())
+            .increment(1);
+        metrics::gauge!("tinyflow_last_completed_checkpoint", "job" => job.clone())
+            .set(id.get() as f64);
+        metrics::histogram!("tinyflow_checkpoint_duration_seconds", "job" => job)
+            .record(now.wall_ms.saturating_sub(p.triggered_at_ms) as f64 / 1000.0);
         for task in self.tasks.keys() {
             out.push(Action::Send {
                 task: *task,
@@ -587,6 +594,17 @@ impl Coordinator {
             tracing::debug!(job = %self.job_id, checkpoint = %id, %reason, "checkpoint aborted");
         } else {
             tracing::warn!(job = %self.job_id, checkpoint = %id, %reason, "checkpoint aborted");
+        }
+        if reason.is_failure() {
+            let kind = match reason {
+                AbortReason::Declined { .. } => "declined",
+                AbortReason::Expired => "expired",
+                AbortReason::TaskLost { .. } => "task_lost",
+                AbortReason::StoreFailed => "store_failed",
+                _ => "other",
+            };
+            metrics::counter!("tinyflow_checkpoints_failed_total", "job" => self.job_id.to_string(), "reason" => kind)
+                .increment(1);
         }
         for task in p.participants() {
             if self.tasks.contains_key(&task) {

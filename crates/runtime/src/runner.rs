@@ -22,7 +22,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::state::RestorePlan;
-use crate::task::{Body, Message, Output, TaskError, TaskIo, run_consumer, run_source};
+use crate::task::{
+    Body, Message, Output, TaskError, TaskIo, TaskMetrics, run_consumer, run_source,
+};
 use crate::{Error, RestartStrategy, Result};
 
 /// How a job runs.
@@ -134,7 +136,10 @@ impl JobRunner {
         let g = &self.graph;
         let total: usize = g.nodes.iter().map(|n| n.parallelism).sum();
         let mut dc = DriverConfig::new(g.job_id.clone(), self.config.checkpoint.clone());
-        dc.has_transactional_sink = g.nodes.iter().any(|n| matches!(n.kind, NodeKind::Sink(_)));
+        dc.has_transactional_sink = g
+            .nodes
+            .iter()
+            .any(|n| matches!(&n.kind, NodeKind::Sink(f) if f.is_transactional()));
         // Registrations are queued before the driver runs.
         dc.inbound_capacity = dc.inbound_capacity.max(total + 16);
         let (driver, handle, restored) =
@@ -161,10 +166,11 @@ impl JobRunner {
                 let id = TaskId::new(next_id);
                 next_id += 1;
                 let (control_tx, control) = mpsc::channel(16);
-                let role = match node.kind {
+                let role = match &node.kind {
                     NodeKind::Source(_) => TaskRole::Source,
                     NodeKind::Operator(_) => TaskRole::Operator,
-                    NodeKind::Sink(_) => TaskRole::Committer,
+                    NodeKind::Sink(f) if f.is_transactional() => TaskRole::Committer,
+                    NodeKind::Sink(_) => TaskRole::Operator,
                 };
                 handle
                     .register(id, role, control_tx)
@@ -180,6 +186,7 @@ impl JobRunner {
                     coordinator: handle.clone(),
                     inputs: std::mem::take(&mut inputs[ni][s]),
                     outputs: std::mem::take(&mut outputs[ni][s]),
+                    metrics: TaskMetrics::new(&node.name, s),
                 };
                 let label = io.label();
                 let coordinator = handle.clone();

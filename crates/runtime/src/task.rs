@@ -66,6 +66,7 @@ pub(crate) struct TaskIo {
     pub(crate) coordinator: CoordinatorHandle,
     pub(crate) inputs: Vec<mpsc::Receiver<Message>>,
     pub(crate) outputs: Vec<Output>,
+    pub(crate) metrics: TaskMetrics,
 }
 
 impl TaskIo {
@@ -84,15 +85,32 @@ impl TaskIo {
                 batch.clone().expect("present until the last edge")
             };
             match &out.partitioning {
-                Partitioning::Forward => send(&out.targets[0], Message::Data(batch)).await?,
+                Partitioning::Forward => {
+                    send(
+                        &out.targets[0],
+                        Message::Data(batch),
+                        &self.metrics.backpressure,
+                    )
+                    .await?
+                }
                 Partitioning::Rebalance => {
                     let at = out.next % out.targets.len();
                     out.next = out.next.wrapping_add(1);
-                    send(&out.targets[at], Message::Data(batch)).await?;
+                    send(
+                        &out.targets[at],
+                        Message::Data(batch),
+                        &self.metrics.backpressure,
+                    )
+                    .await?;
                 }
                 Partitioning::Hash(p) => {
                     for (at, part) in p.partition(batch, out.max_parallelism, out.targets.len())? {
-                        send(&out.targets[at], Message::Data(part)).await?;
+                        send(
+                            &out.targets[at],
+                            Message::Data(part),
+                            &self.metrics.backpressure,
+                        )
+                        .await?;
                     }
                 }
             }
@@ -113,13 +131,14 @@ impl TaskIo {
                 Emitted::Watermark(w) => self.broadcast(|| Message::Watermark(w)).await?,
             }
         }
+        self.metrics.records_out.increment(records);
         Ok(records)
     }
 
     async fn broadcast(&mut self, msg: impl Fn() -> Message) -> Result<(), TaskError> {
         for out in &self.outputs {
             for target in &out.targets {
-                send(target, msg()).await?;
+                send(target, msg(), &self.metrics.backpressure).await?;
             }
         }
         Ok(())
@@ -143,8 +162,48 @@ impl TaskIo {
     }
 }
 
-async fn send(target: &mpsc::Sender<Message>, msg: Message) -> Result<(), TaskError> {
-    target.send(msg).await.map_err(|_| TaskError::Gone)
+/// Sends without waiting when there is room; otherwise waits, and counts
+/// the wait as backpressure.
+async fn send(
+    target: &mpsc::Sender<Message>,
+    msg: Message,
+    backpressure: &metrics::Counter,
+) -> Result<(), TaskError> {
+    match target.try_send(msg) {
+        Ok(()) => Ok(()),
+        Err(mpsc::error::TrySendError::Closed(_)) => Err(TaskError::Gone),
+        Err(mpsc::error::TrySendError::Full(msg)) => {
+            let waited = tokio::time::Instant::now();
+            target.send(msg).await.map_err(|_| TaskError::Gone)?;
+            backpressure.increment(u64::try_from(waited.elapsed().as_micros()).unwrap_or(u64::MAX));
+            Ok(())
+        }
+    }
+}
+
+/// A task's metrics, through the `metrics` facade (no-ops until the
+/// application installs a recorder, e.g. a Prometheus exporter).
+#[derive(Clone)]
+pub(crate) struct TaskMetrics {
+    pub(crate) records_in: metrics::Counter,
+    pub(crate) records_out: metrics::Counter,
+    pub(crate) alignment: metrics::Histogram,
+    pub(crate) backpressure: metrics::Counter,
+}
+
+impl TaskMetrics {
+    pub(crate) fn new(node: &str, subtask: usize) -> Self {
+        let labels = [
+            ("operator", node.to_owned()),
+            ("subtask", subtask.to_string()),
+        ];
+        TaskMetrics {
+            records_in: metrics::counter!("tinyflow_records_in_total", &labels),
+            records_out: metrics::counter!("tinyflow_records_out_total", &labels),
+            alignment: metrics::histogram!("tinyflow_alignment_seconds", &labels),
+            backpressure: metrics::counter!("tinyflow_backpressure_microseconds_total", &labels),
+        }
+    }
 }
 
 /// How a task loop ends badly.
@@ -191,6 +250,7 @@ pub(crate) async fn run_source(
             batch = source.next_batch(), if !ended => match batch? {
                 Some(batch) => {
                     records += batch.len() as u64;
+                    io.metrics.records_out.increment(batch.len() as u64);
                     io.emit(batch).await?;
                 }
                 None => {
@@ -220,6 +280,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
     let mut closed = vec![false; n];
     let mut ended = vec![false; n];
     let mut aligning: Option<CheckpointId> = None;
+    let mut align_started = tokio::time::Instant::now();
     let mut next = 0usize;
     let mut inputs_done = n == 0;
     let mut watermarks = vec![i64::MIN; n];
@@ -264,6 +325,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                 Some((i, Message::Data(batch))) => {
                     next = i + 1;
                     records_in += batch.len() as u64;
+                    io.metrics.records_in.increment(batch.len() as u64);
                     match &mut body {
                         Body::Operator(op) => {
                             op.process(batch, &mut out)?;
@@ -283,6 +345,9 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                             message: format!("{} got barrier {id} while aligning {current}", io.label()),
                         }));
                     }
+                    if aligning.is_none() {
+                        align_started = tokio::time::Instant::now();
+                    }
                     aligning = Some(id);
                     held[i] = true;
                     if (0..n).all(|j| held[j] || closed[j]) {
@@ -297,6 +362,9 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                         io.ack(id, state).await?;
                         held.fill(false);
                         aligning = None;
+                        let took = align_started.elapsed();
+                        io.metrics.alignment.record(took.as_secs_f64());
+                        tracing::debug!(task = %io.label(), checkpoint = %id, alignment_us = took.as_micros() as u64, records_in, records_out, "checkpoint acked");
                     }
                 }
                 Some((i, Message::EndOfData)) => {
