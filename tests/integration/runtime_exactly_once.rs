@@ -400,3 +400,91 @@ async fn job_fails_with_the_root_cause_when_restarts_run_out() {
     assert!(started.elapsed() >= ms(200), "two restart delays of 100 ms");
     assert!(sink.committed().is_empty());
 }
+
+/// Passes records through; panics while taking its `at`-th snapshot, that
+/// is right after aligning the barriers of its three inputs, once.
+struct FailOnSnapshot {
+    fired: Arc<AtomicBool>,
+    at: u64,
+    taken: u64,
+}
+
+impl tinyflow_api::Operator for FailOnSnapshot {
+    fn process(
+        &mut self,
+        batch: tinyflow_api::AnyBatch,
+        out: &mut tinyflow_api::Collector,
+    ) -> tinyflow_api::StreamResult<()> {
+        out.batch(batch);
+        Ok(())
+    }
+
+    fn snapshot(&mut self) -> tinyflow_api::StreamResult<tinyflow_api::OperatorState> {
+        self.taken += 1;
+        if self.taken == self.at && !self.fired.swap(true, Ordering::SeqCst) {
+            panic!("{INJECTED} while snapshotting after alignment");
+        }
+        Ok(tinyflow_api::OperatorState::default())
+    }
+}
+
+struct FailOnSnapshotFactory {
+    fired: Arc<AtomicBool>,
+    at: u64,
+}
+
+impl tinyflow_api::OperatorFactory for FailOnSnapshotFactory {
+    fn create(
+        &self,
+        _ctx: &tinyflow_api::OperatorContext,
+    ) -> tinyflow_api::StreamResult<Box<dyn tinyflow_api::Operator>> {
+        Ok(Box::new(FailOnSnapshot {
+            fired: Arc::clone(&self.fired),
+            at: self.at,
+            taken: 0,
+        }))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn failure_right_after_alignment_loses_and_duplicates_nothing() {
+    quiet_injected_panics();
+    for at in 1..=4 {
+        let sink = CollectingSink::<u64>::new();
+        let fired = Arc::new(AtomicBool::new(false));
+        let job = JobBuilder::new(JobId::new("fail-at-alignment").unwrap());
+        let input = partitions(3, 400);
+        job.source(
+            "numbers",
+            3,
+            VecSource::new(input.clone()).batch_size(5).pause(ms(1)),
+        )
+        .rebalance()
+        .transform::<u64>(
+            "fails-on-snapshot",
+            FailOnSnapshotFactory {
+                fired: Arc::clone(&fired),
+                at,
+            },
+        )
+        .parallelism(2)
+        .sink("out", 1, sink.clone());
+        let report = JobRunner::new(
+            job.build().unwrap(),
+            Arc::new(MemoryCheckpointStore::new()),
+            config(10),
+        )
+        .run()
+        .await
+        .unwrap();
+        assert!(fired.load(Ordering::SeqCst), "snapshot {at} never happened");
+        assert_eq!(report.attempts, 2);
+        let mut got = sink.committed();
+        got.sort_unstable();
+        assert_eq!(
+            got,
+            input.into_iter().flatten().collect::<Vec<_>>(),
+            "failing at snapshot {at}"
+        );
+    }
+}

@@ -353,6 +353,16 @@ impl<T: Data> Stream<T> {
         self.then(name, factory)
     }
 
+    /// Adds a custom operator; `factory` creates one instance per subtask.
+    /// Its batches must hold `U` records.
+    pub fn transform<U: Data>(
+        self,
+        name: &str,
+        factory: impl OperatorFactory + 'static,
+    ) -> Stream<U> {
+        self.then(name, factory)
+    }
+
     /// Applies `f` to every record.
     pub fn map<U: Data>(
         self,
@@ -466,6 +476,20 @@ impl<K: Key, T: StateValue> KeyedStream<K, T> {
             f,
             name: name.to_owned(),
         };
+        stream.then_keyed(name, &key, factory)
+    }
+}
+
+impl<K: Key, T: Data> KeyedStream<K, T> {
+    /// Adds a custom keyed operator: every record of a key reaches the same
+    /// subtask. Its snapshot must file keyed state under each key's
+    /// [`key_group`](crate::key_group), so restore can redistribute it.
+    pub fn transform<U: Data>(
+        self,
+        name: &str,
+        factory: impl OperatorFactory + 'static,
+    ) -> Stream<U> {
+        let (stream, key) = self.into_parts();
         stream.then_keyed(name, &key, factory)
     }
 }
