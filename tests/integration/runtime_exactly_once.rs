@@ -91,6 +91,7 @@ fn config(interval_ms: u64) -> RuntimeConfig {
             max_attempts: 20,
         },
         channel_capacity: 2,
+        chaining: true,
     }
 }
 
@@ -111,6 +112,7 @@ struct Scenario {
     at_record: Vec<u64>,
     at_time_ms: Vec<u64>,
     failed_commits: u32,
+    chaining: bool,
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
@@ -121,13 +123,14 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             prop::collection::vec(1u64..1_500, 0..3),
             prop::collection::vec(1u64..200, 0..3),
             0u32..3,
+            any::<bool>(),
         ),
     )
         .prop_map(
             |(
                 (sources, maps, sinks),
                 (per_partition, batch, interval_ms),
-                (at_record, at_time_ms, failed_commits),
+                (at_record, at_time_ms, failed_commits, chaining),
             )| {
                 Scenario {
                     sources,
@@ -139,6 +142,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     at_record,
                     at_time_ms,
                     failed_commits,
+                    chaining,
                 }
             },
         )
@@ -172,7 +176,10 @@ async fn run_stateless(s: &Scenario) -> Result<(Vec<u64>, Vec<u64>, u32), Error>
     let report = JobRunner::new(
         job.build().unwrap(),
         Arc::new(MemoryCheckpointStore::new()),
-        config(s.interval_ms),
+        RuntimeConfig {
+            chaining: s.chaining,
+            ..config(s.interval_ms)
+        },
     )
     .run()
     .await?;
@@ -394,7 +401,7 @@ async fn job_fails_with_the_root_cause_when_restarts_run_out() {
     };
     assert_eq!(*attempts, 3);
     assert!(
-        matches!(&**cause, Error::Panic { task, message } if task == "boom[0]" && message.contains("always")),
+        matches!(&**cause, Error::Panic { task, message } if task == "numbers->boom->out[0]" && message.contains("always")),
         "{cause:?}"
     );
     assert!(started.elapsed() >= ms(200), "two restart delays of 100 ms");

@@ -57,6 +57,7 @@ fn config() -> RuntimeConfig {
             max_attempts: 10,
         },
         channel_capacity: 2,
+        chaining: true,
     }
 }
 

@@ -6,13 +6,13 @@
 //! background with `java` from PATH, waits until the port accepts connections and the broker has
 //! logged that it started, writes `kafka.pid` beside its `kafka.log` and prints
 //! `KAFKA_BOOTSTRAP=127.0.0.1:<port>` on stdout, the only thing any subcommand prints there, so a
-//! script can `eval "$(cargo xtask kafka start)"`. `stop` sends SIGTERM (SIGKILL after 30 s) to
-//! the pid in that file; `status` tells whether that broker runs and exits non-zero when it does
-//! not. The port is `--port N`, else `$TINYFLOW_KAFKA_PORT`, else 9092; each port has its own
-//! run directory, so brokers on different ports do not meet.
+//! script can take it with `out=$(cargo xtask kafka start) && export "$out"`. `stop` sends
+//! SIGTERM (SIGKILL after 30 s) to the pid in that file; `status` tells whether that broker runs
+//! and exits non-zero when it does not. The port is `--port N`, else `$TINYFLOW_KAFKA_PORT`, else
+//! 9092; each port has its own run directory, so brokers on different ports do not meet.
 
 use std::fs::{self, File};
-use std::io::ErrorKind;
+use std::io::{BufRead, BufReader, ErrorKind};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -154,7 +154,7 @@ fn start(layout: &Layout) -> Result<()> {
             return Ok(());
         }
         BrokerState::Stale(pid) => eprintln!(
-            "xtask kafka: pid {pid} in {} is gone; starting afresh",
+            "xtask kafka: pid {pid} in {} is no longer a running broker; starting afresh",
             layout.pid_file().display()
         ),
         BrokerState::Absent => {}
@@ -323,7 +323,7 @@ fn stop(layout: &Layout) -> Result<()> {
         BrokerState::Stale(pid) => {
             remove_pid_file(layout)?;
             eprintln!(
-                "xtask kafka: broker pid {pid} on port {} had already exited; removed its pid file",
+                "xtask kafka: pid {pid} on port {} is no longer a running broker; removed the stale pid file",
                 layout.port
             );
             return Ok(());
@@ -369,18 +369,21 @@ fn status(layout: &Layout) -> Result<()> {
                 layout.log_file().display()
             );
             layout.print_bootstrap();
-            Ok(())
+            return Ok(());
         }
-        BrokerState::Stale(pid) => bail!(
-            "kafka is not running on port {}: pid {pid} in {} has exited",
+        BrokerState::Stale(pid) => eprintln!(
+            "xtask kafka: not running on port {}: pid {pid} in {} is no longer a running broker",
             layout.port,
             layout.pid_file().display()
         ),
-        BrokerState::Absent => bail!(
-            "kafka is not running on port {} (no broker started by xtask)",
+        BrokerState::Absent => eprintln!(
+            "xtask kafka: not running on port {} (no broker started by xtask)",
             layout.port
         ),
     }
+    // "Not running" is an answer, not a failure: no error report, only the exit code a script
+    // tests (`cargo xtask kafka status && ...`).
+    std::process::exit(1)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -506,18 +509,29 @@ fn ensure_jars(layout: &Layout) -> Result<PathBuf> {
         libs.display()
     );
     let started = Instant::now();
-    let child = Command::new("mvn")
-        .args(["-B", "-q", "-Dstyle.color=never", "-f"])
+    let mut child = Command::new("mvn")
+        .args(["-B", "-q", "-f"])
         .arg(&pom_path)
         .args([COPY_DEPENDENCIES, "-DincludeScope=runtime"])
         .arg(format!("-DoutputDirectory={}", partial.display()))
         .stdin(Stdio::null())
-        // stdout carries only KAFKA_BOOTSTRAP=...; Maven's messages go to stderr.
-        .stdout(std::io::stderr())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .context("running mvn (is Maven on PATH?)")?;
+    // Our stdout carries only KAFKA_BOOTSTRAP=...: Maven's messages go to stderr, less the
+    // colour resets that Debian's Maven 3.8 prints on both streams even in batch mode.
+    let forwards = [
+        forward_to_stderr(child.stdout.take().context("mvn output pipe")?),
+        forward_to_stderr(child.stderr.take().context("mvn error pipe")?),
+    ];
     let status = wait_with_progress(child, "mvn")?;
+    for forward in forwards {
+        // The pipes close when mvn exits, so these end promptly; a panic there lost only output.
+        let _ = forward.join();
+    }
     if !status.success() {
+        let _ = fs::remove_dir_all(&partial);
         bail!("mvn could not resolve the Kafka jars ({status}); its output is above");
     }
     if !has_broker_jar(&partial) {
@@ -564,6 +578,18 @@ fn has_broker_jar(dir: &Path) -> bool {
             let name = name.to_string_lossy();
             name.starts_with("kafka_2.13-") && name.ends_with(".jar")
         })
+    })
+}
+
+/// Copies a child's output to our stderr line by line, without ANSI colour resets.
+fn forward_to_stderr(output: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(output).split(b'\n').map_while(Result::ok) {
+            let line = String::from_utf8_lossy(&line).replace("\x1b[0m", "");
+            if !line.trim().is_empty() {
+                eprintln!("{line}");
+            }
+        }
     })
 }
 

@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tinyflow_api::{
-    CheckpointId, CheckpointStore, FromTask, JobGraph, NodeKind, OperatorContext, Partitioning,
-    SinkRestore, StreamError, SystemWallClock, TaskId, TaskRole, WallClock,
+    CheckpointId, CheckpointStore, FromTask, JobGraph, NodeId, NodeKind, OperatorContext,
+    Partitioning, SinkRestore, StreamError, SystemWallClock, TaskId, TaskRole, WallClock,
 };
 use tinyflow_checkpoint::{
     CheckpointConfig, CoordinatorDriver, CoordinatorHandle, DriverConfig, Outcome,
@@ -23,7 +23,8 @@ use tokio::task::JoinSet;
 
 use crate::state::RestorePlan;
 use crate::task::{
-    Body, Message, Output, TaskError, TaskIo, TaskMetrics, run_consumer, run_source,
+    Chain, ChainOp, ChainSink, ChainSource, Message, Output, TaskError, TaskIo, TaskMetrics,
+    labels as task_labels, run_consumer, run_source,
 };
 use crate::{Error, RestartStrategy, Result};
 
@@ -37,6 +38,8 @@ pub struct RuntimeConfig {
     /// Batches buffered per data channel (one channel per pair of connected
     /// subtasks): the backpressure bound.
     pub channel_capacity: usize,
+    /// Runs neighbouring nodes joined by a forward edge in one task.
+    pub chaining: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -45,6 +48,7 @@ impl Default for RuntimeConfig {
             checkpoint: CheckpointConfig::default(),
             restart: RestartStrategy::default(),
             channel_capacity: 8,
+            chaining: true,
         }
     }
 }
@@ -149,28 +153,21 @@ impl JobRunner {
             tracing::info!(job = %g.job_id, checkpoint = %id, "restoring");
         }
 
-        let (mut inputs, mut outputs) = self.wire();
+        let chains = self.chains();
+        let (mut inputs, mut outputs) = self.wire(&chains);
         let mut tasks = JoinSet::new();
         let mut labels = HashMap::new();
         let mut next_id = 0u32;
-        for (ni, node) in g.nodes.iter().enumerate() {
-            let sink_states = plan.sink(&node.name);
-            let source_states = plan.source(&node.name);
-            for s in 0..node.parallelism {
-                let ctx = OperatorContext {
-                    name: node.name.clone(),
-                    subtask: s,
-                    parallelism: node.parallelism,
-                    max_parallelism: g.max_parallelism,
-                };
+        for chain in &chains {
+            let (head, tail) = (&g.nodes[chain[0]], &g.nodes[chain[chain.len() - 1]]);
+            for s in 0..head.parallelism {
                 let id = TaskId::new(next_id);
                 next_id += 1;
                 let (control_tx, control) = mpsc::channel(16);
-                let role = match &node.kind {
-                    NodeKind::Source(_) => TaskRole::Source,
-                    NodeKind::Operator(_) => TaskRole::Operator,
-                    NodeKind::Sink(f) if f.is_transactional() => TaskRole::Committer,
-                    NodeKind::Sink(_) => TaskRole::Operator,
+                let role = match (&head.kind, &tail.kind) {
+                    (NodeKind::Source(_), _) => TaskRole::Source,
+                    (_, NodeKind::Sink(f)) if f.is_transactional() => TaskRole::Committer,
+                    _ => TaskRole::Operator,
                 };
                 handle
                     .register(id, role, control_tx)
@@ -178,60 +175,27 @@ impl JobRunner {
                     .map_err(|_| StreamError::Graph {
                         message: "coordinator gone during setup".into(),
                     })?;
+                let chain_name: Vec<&str> =
+                    chain.iter().map(|n| g.nodes[*n].name.as_str()).collect();
                 let io = TaskIo {
                     id,
-                    node: node.name.clone(),
+                    node: chain_name.join("->"),
                     subtask: u32::try_from(s).expect("parallelism fits u32"),
                     control,
                     coordinator: handle.clone(),
-                    inputs: std::mem::take(&mut inputs[ni][s]),
-                    outputs: std::mem::take(&mut outputs[ni][s]),
-                    metrics: TaskMetrics::new(&node.name, s),
+                    inputs: std::mem::take(&mut inputs[chain[0]][s]),
+                    outputs: std::mem::take(&mut outputs[chain[chain.len() - 1]][s]),
+                    metrics: TaskMetrics::new(&head.name, s),
                 };
                 let label = io.label();
-                let coordinator = handle.clone();
-                let spawned = match &node.kind {
-                    NodeKind::Source(f) => {
-                        let source = f.create(&ctx, &source_states)?;
-                        tasks.spawn(supervise(
-                            label.clone(),
-                            id,
-                            coordinator,
-                            run_source(io, source),
-                        ))
+                let (source, body) = self.build_chain(chain, s, &plan).await?;
+                let task = supervise(label.clone(), id, handle.clone(), async move {
+                    match source {
+                        Some(source) => run_source(io, source, body).await,
+                        None => run_consumer(io, body).await,
                     }
-                    NodeKind::Operator(f) => {
-                        let mut op = f.create(&ctx)?;
-                        if plan.checkpoint.is_some() {
-                            op.restore(plan.operator(
-                                &node.name,
-                                s,
-                                node.parallelism,
-                                g.max_parallelism,
-                            ))?;
-                        }
-                        tasks.spawn(supervise(
-                            label.clone(),
-                            id,
-                            coordinator,
-                            run_consumer(io, Body::Operator(op)),
-                        ))
-                    }
-                    NodeKind::Sink(f) => {
-                        let restore = plan.checkpoint.map(|checkpoint| SinkRestore {
-                            checkpoint,
-                            states: &sink_states,
-                        });
-                        let sink = f.create(&ctx, restore).await?;
-                        tasks.spawn(supervise(
-                            label.clone(),
-                            id,
-                            coordinator,
-                            run_consumer(io, Body::Sink(sink)),
-                        ))
-                    }
-                };
-                labels.insert(spawned.id(), label);
+                });
+                labels.insert(tasks.spawn(task).id(), label);
             }
         }
         drop(handle);
@@ -290,6 +254,106 @@ impl JobRunner {
         }
     }
 
+    /// Groups nodes into chains, head first: a forward edge from a node with
+    /// one output to a node with one input joins them (sources only head a
+    /// chain, sinks only end one). With chaining off, every node is a chain.
+    fn chains(&self) -> Vec<Vec<NodeId>> {
+        let g = &self.graph;
+        let n = g.nodes.len();
+        let (mut outs, mut ins) = (vec![0usize; n], vec![0usize; n]);
+        for e in &g.edges {
+            outs[e.from] += 1;
+            ins[e.to] += 1;
+        }
+        let mut next = vec![None; n];
+        let mut joined = vec![false; n];
+        for e in g.edges.iter().filter(|_| self.config.chaining) {
+            let chainable = matches!(e.partitioning, Partitioning::Forward)
+                && outs[e.from] == 1
+                && ins[e.to] == 1
+                && !matches!(g.nodes[e.from].kind, NodeKind::Sink(_))
+                && !matches!(g.nodes[e.to].kind, NodeKind::Source(_));
+            if chainable {
+                next[e.from] = Some(e.to);
+                joined[e.to] = true;
+            }
+        }
+        (0..n)
+            .filter(|i| !joined[*i])
+            .map(|head| {
+                let mut chain = vec![head];
+                while let Some(to) = chain.last().and_then(|last| next[*last]) {
+                    chain.push(to);
+                }
+                chain
+            })
+            .collect()
+    }
+
+    /// Creates subtask `s` of every node of `chain`, restored from `plan`.
+    async fn build_chain(
+        &self,
+        chain: &[NodeId],
+        s: usize,
+        plan: &RestorePlan,
+    ) -> Result<(Option<ChainSource>, Chain)> {
+        let g = &self.graph;
+        let mut source = None;
+        let mut body = Chain {
+            ops: Vec::new(),
+            sink: None,
+        };
+        for &ni in chain {
+            let node = &g.nodes[ni];
+            let ctx = OperatorContext {
+                name: node.name.clone(),
+                subtask: s,
+                parallelism: node.parallelism,
+                max_parallelism: g.max_parallelism,
+            };
+            let labels = task_labels(&node.name, s);
+            match &node.kind {
+                NodeKind::Source(f) => {
+                    source = Some(ChainSource {
+                        name: node.name.clone(),
+                        source: f.create(&ctx, &plan.source(&node.name))?,
+                        records_out: metrics::counter!("tinyflow_records_out_total", &labels),
+                    });
+                }
+                NodeKind::Operator(f) => {
+                    let mut op = f.create(&ctx)?;
+                    if plan.checkpoint.is_some() {
+                        op.restore(plan.operator(
+                            &node.name,
+                            s,
+                            node.parallelism,
+                            g.max_parallelism,
+                        ))?;
+                    }
+                    body.ops.push(ChainOp {
+                        name: node.name.clone(),
+                        op,
+                        records_in: metrics::counter!("tinyflow_records_in_total", &labels),
+                        records_out: metrics::counter!("tinyflow_records_out_total", &labels),
+                    });
+                }
+                NodeKind::Sink(f) => {
+                    let states = plan.sink(&node.name);
+                    let restore = plan.checkpoint.map(|checkpoint| SinkRestore {
+                        checkpoint,
+                        states: &states,
+                    });
+                    body.sink = Some(ChainSink {
+                        name: node.name.clone(),
+                        sink: f.create(&ctx, restore).await?,
+                        records_in: metrics::counter!("tinyflow_records_in_total", &labels),
+                    });
+                }
+            }
+        }
+        Ok((source, body))
+    }
+
     /// Creates the data channels: per node and subtask, its inputs and its
     /// outputs.
     #[allow(
@@ -298,6 +362,7 @@ impl JobRunner {
     )]
     fn wire(
         &self,
+        chains: &[Vec<NodeId>],
     ) -> (
         Vec<Vec<Vec<mpsc::Receiver<Message>>>>,
         Vec<Vec<Vec<Output>>>,
@@ -314,7 +379,12 @@ impl JobRunner {
             .map(|n| (0..n.parallelism).map(|_| Vec::new()).collect())
             .collect();
         let cap = self.config.channel_capacity.max(1);
-        for e in &g.edges {
+        let inside = |e: &tinyflow_api::Edge| {
+            chains
+                .iter()
+                .any(|c| c.windows(2).any(|w| w == [e.from, e.to]))
+        };
+        for e in g.edges.iter().filter(|e| !inside(e)) {
             let (pf, pt) = (g.nodes[e.from].parallelism, g.nodes[e.to].parallelism);
             for (i, from) in outputs[e.from].iter_mut().enumerate().take(pf) {
                 let targets: Vec<usize> = match e.partitioning {
@@ -389,4 +459,47 @@ fn chain(error: &dyn std::error::Error) -> String {
         source = e.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+    use tinyflow_api::{JobBuilder, JobId};
+
+    fn runner(chaining: bool) -> JobRunner {
+        let job = JobBuilder::new(JobId::new("chains").unwrap());
+        let words = job.source("src", 2, VecSource::new(vec![vec![1u64]]));
+        words
+            .map("a", |n: u64| n + 1)
+            .filter("b", |n: &u64| *n > 0)
+            .rebalance()
+            .map("c", |n: u64| n)
+            .parallelism(2)
+            .key_by(|n: &u64| *n)
+            .reduce("d", |acc: &mut u64, n| *acc += n)
+            .sink("e", 2, CollectingSink::<u64>::new());
+        let config = RuntimeConfig {
+            chaining,
+            ..RuntimeConfig::default()
+        };
+        JobRunner::new(
+            job.build().unwrap(),
+            Arc::new(MemoryCheckpointStore::new()),
+            config,
+        )
+    }
+
+    #[test]
+    fn forward_neighbours_chain_and_other_edges_cut() {
+        // src -> a -> b (forward), b => c (rebalance), c => d (hash), d -> e (forward).
+        assert_eq!(
+            runner(true).chains(),
+            vec![vec![0, 1, 2], vec![3], vec![4, 5]]
+        );
+        assert_eq!(
+            runner(false).chains(),
+            (0..6).map(|n| vec![n]).collect::<Vec<_>>()
+        );
+    }
 }

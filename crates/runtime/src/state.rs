@@ -1,8 +1,8 @@
 //! Task snapshots inside checkpoints, and how a restored checkpoint is
 //! handed back to a job (possibly with different parallelism).
 //!
-//! Every task acks with a [`TaskSnapshot`] naming its node and subtask, so a
-//! restore does not depend on task ids staying the same. Keyed state is
+//! Every task acks with a [`TaskSnapshot`] naming its nodes and subtask, so a
+//! restore depends neither on task ids nor on how nodes were chained. Keyed state is
 //! merged over all old subtasks and split again by key-group ranges; source
 //! positions and sink staging are handed to the new instances whole, for the
 //! source or sink to divide.
@@ -15,15 +15,13 @@ use tinyflow_api::{
     key_groups_of,
 };
 
-/// What one task contributes to a checkpoint.
+/// What one task (a chain of nodes) contributes to a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TaskSnapshot {
-    /// The node's name.
-    pub node: String,
-    /// The subtask index.
+    /// The subtask index (the same for every node of a chain).
     pub subtask: u32,
-    /// The node's state for this subtask.
-    pub state: NodeState,
+    /// Each node's name and state, in chain order.
+    pub nodes: Vec<(String, NodeState)>,
 }
 
 /// The state of one subtask, by node kind.
@@ -43,7 +41,11 @@ impl TaskSnapshot {
         postcard::to_allocvec(self)
             .map(StateHandle::from)
             .map_err(|e| StreamError::State {
-                operator: self.node.clone(),
+                operator: self
+                    .nodes
+                    .first()
+                    .map(|(n, _)| n.clone())
+                    .unwrap_or_default(),
                 action: "encoded",
                 message: e.to_string(),
             })
@@ -76,10 +78,12 @@ impl RestorePlan {
         };
         for handle in checkpoint.into_iter().flat_map(|c| c.task_states.values()) {
             let snap = TaskSnapshot::decode(handle)?;
-            plan.nodes
-                .entry(snap.node)
-                .or_default()
-                .push((snap.subtask, snap.state));
+            for (node, state) in snap.nodes {
+                plan.nodes
+                    .entry(node)
+                    .or_default()
+                    .push((snap.subtask, state));
+            }
         }
         for states in plan.nodes.values_mut() {
             states.sort_by_key(|(s, _)| *s);

@@ -1,20 +1,26 @@
-//! The task loops: one tokio task per operator subtask.
+//! The task loops: one tokio task per chain of operator subtasks.
 //!
-//! Data moves in bounded channels of [`Message`]s (record batches, barriers,
-//! end of data), one channel per upstream subtask, so a full channel
-//! backpressures exactly its producer and an input can be held during barrier
-//! alignment. Control messages from the coordinator arrive on a separate
-//! channel and are served first.
+//! Neighbouring nodes joined by a forward edge (same parallelism, one
+//! output, one input) are chained into one task, so a batch passes through
+//! them without a channel hop; the chain snapshots all its nodes on one
+//! barrier and acks once with all their states.
 //!
-//! - Source task: on `TriggerCheckpoint(N)` it snapshots its position, sends
-//!   barrier N to every output after everything it emitted before, and acks.
-//!   At the end of its input it sends `EndOfData` and reports it; it keeps
-//!   serving triggers (the final checkpoint) until the coordinator is done.
-//! - Operator task: processes batches; on barrier N from one input it holds
-//!   that input until barrier N came on every input (alignment), then
-//!   snapshots, forwards barrier N and acks.
-//! - Sink task: writes batches; on aligned barrier N stages its work under N
-//!   and acks with it; on `NotifyComplete(N)` commits everything up to N.
+//! Between tasks, data moves in bounded channels of [`Message`]s (record
+//! batches, barriers, watermarks, end of data), one channel per upstream
+//! subtask, so a full channel backpressures exactly its producer and an input
+//! can be held during barrier alignment. Control messages from the
+//! coordinator arrive on a separate channel and are served first.
+//!
+//! - A chain headed by a source: on `TriggerCheckpoint(N)` it snapshots its
+//!   position and its chained operators, sends barrier N after everything it
+//!   emitted before, and acks. At the end of its input it pushes a final
+//!   watermark through the chain, finishes it, sends `EndOfData` and reports
+//!   the end; it keeps serving triggers (the final checkpoint) until the
+//!   coordinator is done.
+//! - A chain fed by inputs: on barrier N from one input it holds that input
+//!   until barrier N came on every input (alignment), then snapshots, forwards
+//!   barrier N (or, ending in a sink, stages the sink's work under N) and
+//!   acks. A sink commits everything up to N on `NotifyComplete(N)`.
 //!
 //! Every loop ends when its control channel closes (the coordinator finished
 //! or the attempt is being torn down).
@@ -118,23 +124,6 @@ impl TaskIo {
         Ok(())
     }
 
-    /// Sends what an operator emitted, in order; returns the records sent.
-    async fn emit_collected(&mut self, out: &mut Collector) -> Result<u64, TaskError> {
-        let mut records = 0;
-        let items: Vec<Emitted> = out.drain().collect();
-        for item in items {
-            match item {
-                Emitted::Batch(b) => {
-                    records += b.len() as u64;
-                    self.emit(b).await?;
-                }
-                Emitted::Watermark(w) => self.broadcast(|| Message::Watermark(w)).await?,
-            }
-        }
-        self.metrics.records_out.increment(records);
-        Ok(records)
-    }
-
     async fn broadcast(&mut self, msg: impl Fn() -> Message) -> Result<(), TaskError> {
         for out in &self.outputs {
             for target in &out.targets {
@@ -144,13 +133,16 @@ impl TaskIo {
         Ok(())
     }
 
-    async fn ack(&self, id: CheckpointId, state: NodeState) -> Result<(), TaskError> {
-        let snap = TaskSnapshot {
-            node: self.node.clone(),
+    async fn ack(
+        &self,
+        id: CheckpointId,
+        nodes: Vec<(String, NodeState)>,
+    ) -> Result<(), TaskError> {
+        let state = TaskSnapshot {
             subtask: self.subtask,
-            state,
-        };
-        let state = snap.encode()?;
+            nodes,
+        }
+        .encode()?;
         self.coordinator
             .send(FromTask::Ack {
                 task: self.id,
@@ -181,28 +173,152 @@ async fn send(
     }
 }
 
+/// Labels for a node subtask's metrics.
+pub(crate) fn labels(node: &str, subtask: usize) -> [(&'static str, String); 2] {
+    [
+        ("operator", node.to_owned()),
+        ("subtask", subtask.to_string()),
+    ]
+}
+
 /// A task's metrics, through the `metrics` facade (no-ops until the
-/// application installs a recorder, e.g. a Prometheus exporter).
+/// application installs a recorder, e.g. a Prometheus exporter). Labelled
+/// with the chain's first node.
 #[derive(Clone)]
 pub(crate) struct TaskMetrics {
-    pub(crate) records_in: metrics::Counter,
-    pub(crate) records_out: metrics::Counter,
     pub(crate) alignment: metrics::Histogram,
     pub(crate) backpressure: metrics::Counter,
 }
 
 impl TaskMetrics {
     pub(crate) fn new(node: &str, subtask: usize) -> Self {
-        let labels = [
-            ("operator", node.to_owned()),
-            ("subtask", subtask.to_string()),
-        ];
+        let labels = labels(node, subtask);
         TaskMetrics {
-            records_in: metrics::counter!("tinyflow_records_in_total", &labels),
-            records_out: metrics::counter!("tinyflow_records_out_total", &labels),
             alignment: metrics::histogram!("tinyflow_alignment_seconds", &labels),
             backpressure: metrics::counter!("tinyflow_backpressure_microseconds_total", &labels),
         }
+    }
+}
+
+/// An operator in a chain, with its record counters.
+pub(crate) struct ChainOp {
+    pub(crate) name: String,
+    pub(crate) op: Box<dyn Operator>,
+    pub(crate) records_in: metrics::Counter,
+    pub(crate) records_out: metrics::Counter,
+}
+
+/// The sink ending a chain.
+pub(crate) struct ChainSink {
+    pub(crate) name: String,
+    pub(crate) sink: Box<dyn ErasedSink>,
+    pub(crate) records_in: metrics::Counter,
+}
+
+/// The operators of a task, in order, and the sink that may end them.
+pub(crate) struct Chain {
+    pub(crate) ops: Vec<ChainOp>,
+    pub(crate) sink: Option<ChainSink>,
+}
+
+impl Chain {
+    /// Runs `items` through the operators from `from` on; returns what
+    /// comes out of the last one.
+    fn run_ops(&mut self, from: usize, mut items: Vec<Emitted>) -> Result<Vec<Emitted>, TaskError> {
+        let mut collector = Collector::default();
+        for op in &mut self.ops[from..] {
+            if items.is_empty() {
+                break;
+            }
+            let mut next = Vec::with_capacity(items.len());
+            for item in items {
+                match item {
+                    Emitted::Batch(b) => {
+                        op.records_in.increment(b.len() as u64);
+                        op.op.process(b, &mut collector)?;
+                    }
+                    Emitted::Watermark(w) => op.op.on_watermark(w, &mut collector)?,
+                }
+                for e in collector.drain() {
+                    if let Emitted::Batch(b) = &e {
+                        op.records_out.increment(b.len() as u64);
+                    }
+                    next.push(e);
+                }
+            }
+            items = next;
+        }
+        Ok(items)
+    }
+
+    /// Hands what left the operators to the sink, or downstream.
+    async fn deliver(&mut self, io: &mut TaskIo, items: Vec<Emitted>) -> Result<(), TaskError> {
+        for item in items {
+            match (item, &mut self.sink) {
+                (Emitted::Batch(b), Some(s)) => {
+                    s.records_in.increment(b.len() as u64);
+                    s.sink.write(b).await?;
+                }
+                (Emitted::Watermark(_), Some(_)) => {}
+                (Emitted::Batch(b), None) => io.emit(b).await?,
+                (Emitted::Watermark(w), None) => io.broadcast(|| Message::Watermark(w)).await?,
+            }
+        }
+        Ok(())
+    }
+
+    async fn push(&mut self, io: &mut TaskIo, item: Emitted) -> Result<(), TaskError> {
+        let out = self.run_ops(0, vec![item])?;
+        self.deliver(io, out).await
+    }
+
+    /// Every input ended: finish each operator in order, passing what it
+    /// emits through the rest; then tell downstream.
+    async fn finish(&mut self, io: &mut TaskIo) -> Result<(), TaskError> {
+        for i in 0..self.ops.len() {
+            let mut collector = Collector::default();
+            self.ops[i].op.finish(&mut collector)?;
+            let items: Vec<Emitted> = collector.drain().collect();
+            for e in &items {
+                if let Emitted::Batch(b) = e {
+                    self.ops[i].records_out.increment(b.len() as u64);
+                }
+            }
+            let out = self.run_ops(i + 1, items)?;
+            self.deliver(io, out).await?;
+        }
+        if self.sink.is_none() {
+            io.broadcast(|| Message::EndOfData).await?;
+        }
+        Ok(())
+    }
+
+    /// Barrier `id` reached the chain: snapshot every node, forward the
+    /// barrier (or stage the sink's work), and ack with all states.
+    async fn checkpoint(
+        &mut self,
+        io: &mut TaskIo,
+        id: CheckpointId,
+        mut states: Vec<(String, NodeState)>,
+    ) -> Result<(), TaskError> {
+        for op in &mut self.ops {
+            states.push((op.name.clone(), NodeState::Operator(op.op.snapshot()?)));
+        }
+        match &mut self.sink {
+            Some(s) => states.push((
+                s.name.clone(),
+                NodeState::Sink(s.sink.prepare_commit(id).await?),
+            )),
+            None => io.broadcast(|| Message::Barrier(id)).await?,
+        }
+        io.ack(id, states).await
+    }
+
+    async fn commit(&mut self, id: CheckpointId) -> Result<(), TaskError> {
+        if let Some(s) = &mut self.sink {
+            s.sink.commit(id).await?;
+        }
+        Ok(())
     }
 }
 
@@ -228,9 +344,17 @@ impl From<Disconnected> for TaskError {
     }
 }
 
+/// The source heading a chain.
+pub(crate) struct ChainSource {
+    pub(crate) name: String,
+    pub(crate) source: Box<dyn ErasedSource>,
+    pub(crate) records_out: metrics::Counter,
+}
+
 pub(crate) async fn run_source(
     mut io: TaskIo,
-    mut source: Box<dyn ErasedSource>,
+    mut head: ChainSource,
+    mut chain: Chain,
 ) -> Result<(), TaskError> {
     let mut ended = false;
     let mut records = 0u64;
@@ -239,23 +363,26 @@ pub(crate) async fn run_source(
             biased;
             msg = io.control.recv() => match msg {
                 Some(ToTask::TriggerCheckpoint { id, .. }) => {
-                    let position = source.snapshot()?;
-                    io.broadcast(|| Message::Barrier(id)).await?;
-                    io.ack(id, NodeState::Source(position)).await?;
+                    let position = head.source.snapshot()?;
+                    chain.checkpoint(&mut io, id, vec![(head.name.clone(), NodeState::Source(position))]).await?;
                 }
-                Some(ToTask::NotifyComplete { id }) => source.checkpoint_complete(id).await?,
+                Some(ToTask::NotifyComplete { id }) => {
+                    head.source.checkpoint_complete(id).await?;
+                    chain.commit(id).await?;
+                }
                 Some(ToTask::Abort { .. }) => {}
                 None => break,
             },
-            batch = source.next_batch(), if !ended => match batch? {
+            batch = head.source.next_batch(), if !ended => match batch? {
                 Some(batch) => {
                     records += batch.len() as u64;
-                    io.metrics.records_out.increment(batch.len() as u64);
-                    io.emit(batch).await?;
+                    head.records_out.increment(batch.len() as u64);
+                    chain.push(&mut io, Emitted::Batch(batch)).await?;
                 }
                 None => {
                     ended = true;
-                    io.broadcast(|| Message::EndOfData).await?;
+                    chain.push(&mut io, Emitted::Watermark(i64::MAX)).await?;
+                    chain.finish(&mut io).await?;
                     tracing::debug!(task = %io.label(), records, "source reached the end of its input");
                     io.coordinator.send(FromTask::EndOfInput { task: io.id }).await.map_err(|_| TaskError::Gone)?;
                 }
@@ -266,15 +393,7 @@ pub(crate) async fn run_source(
     Ok(())
 }
 
-/// What a non-source task does with its input.
-pub(crate) enum Body {
-    /// Transform and forward.
-    Operator(Box<dyn Operator>),
-    /// Write and commit.
-    Sink(Box<dyn ErasedSink>),
-}
-
-pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), TaskError> {
+pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(), TaskError> {
     let n = io.inputs.len();
     let mut held = vec![false; n];
     let mut closed = vec![false; n];
@@ -285,8 +404,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
     let mut inputs_done = n == 0;
     let mut watermarks = vec![i64::MIN; n];
     let mut watermark = i64::MIN;
-    let mut out = Collector::default();
-    let (mut records_in, mut records_out) = (0u64, 0u64);
+    let mut records_in = 0u64;
     loop {
         let inputs = &mut io.inputs;
         let input = poll_fn(|cx| {
@@ -313,11 +431,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
         tokio::select! {
             biased;
             msg = io.control.recv() => match msg {
-                Some(ToTask::NotifyComplete { id }) => {
-                    if let Body::Sink(sink) = &mut body {
-                        sink.commit(id).await?;
-                    }
-                }
+                Some(ToTask::NotifyComplete { id }) => chain.commit(id).await?,
                 Some(_) => {}
                 None => break,
             },
@@ -325,19 +439,12 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                 Some((i, Message::Data(batch))) => {
                     next = i + 1;
                     records_in += batch.len() as u64;
-                    io.metrics.records_in.increment(batch.len() as u64);
-                    match &mut body {
-                        Body::Operator(op) => {
-                            op.process(batch, &mut out)?;
-                            records_out += io.emit_collected(&mut out).await?;
-                        }
-                        Body::Sink(sink) => sink.write(batch).await?,
-                    }
+                    chain.push(&mut io, Emitted::Batch(batch)).await?;
                 }
                 Some((i, Message::Watermark(w))) => {
                     next = i + 1;
                     watermarks[i] = watermarks[i].max(w);
-                    records_out += advance(&mut io, &mut body, &watermarks, &mut watermark, &mut out).await?;
+                    advance(&mut io, &mut chain, &watermarks, &mut watermark).await?;
                 }
                 Some((i, Message::Barrier(id))) => {
                     if let Some(current) = aligning && current != id {
@@ -351,33 +458,21 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
                     aligning = Some(id);
                     held[i] = true;
                     if (0..n).all(|j| held[j] || closed[j]) {
-                        let state = match &mut body {
-                            Body::Operator(op) => {
-                                let state = NodeState::Operator(op.snapshot()?);
-                                io.broadcast(|| Message::Barrier(id)).await?;
-                                state
-                            }
-                            Body::Sink(sink) => NodeState::Sink(sink.prepare_commit(id).await?),
-                        };
-                        io.ack(id, state).await?;
+                        chain.checkpoint(&mut io, id, Vec::new()).await?;
                         held.fill(false);
                         aligning = None;
                         let took = align_started.elapsed();
                         io.metrics.alignment.record(took.as_secs_f64());
-                        tracing::debug!(task = %io.label(), checkpoint = %id, alignment_us = took.as_micros() as u64, records_in, records_out, "checkpoint acked");
+                        tracing::debug!(task = %io.label(), checkpoint = %id, alignment_us = took.as_micros() as u64, records_in, "checkpoint acked");
                     }
                 }
                 Some((i, Message::EndOfData)) => {
                     ended[i] = true;
                     // An ended input holds no event time back.
                     watermarks[i] = i64::MAX;
-                    records_out += advance(&mut io, &mut body, &watermarks, &mut watermark, &mut out).await?;
-                    if ended.iter().all(|e| *e)
-                        && let Body::Operator(op) = &mut body
-                    {
-                        op.finish(&mut out)?;
-                        records_out += io.emit_collected(&mut out).await?;
-                        io.broadcast(|| Message::EndOfData).await?;
+                    advance(&mut io, &mut chain, &watermarks, &mut watermark).await?;
+                    if ended.iter().all(|e| *e) {
+                        chain.finish(&mut io).await?;
                     }
                 }
                 // Every upstream task is gone: only the coordinator matters now.
@@ -385,29 +480,22 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut body: Body) -> Result<(), T
             },
         }
     }
-    tracing::debug!(task = %io.label(), records_in, records_out, "task done");
+    tracing::debug!(task = %io.label(), records_in, "task done");
     Ok(())
 }
 
-/// Hands the operator the combined (minimum) watermark of the inputs when it
-/// advanced; returns the records emitted.
+/// Pushes the combined (minimum) watermark of the inputs through the chain
+/// when it advanced.
 async fn advance(
     io: &mut TaskIo,
-    body: &mut Body,
+    chain: &mut Chain,
     watermarks: &[i64],
     current: &mut i64,
-    out: &mut Collector,
-) -> Result<u64, TaskError> {
+) -> Result<(), TaskError> {
     let combined = watermarks.iter().copied().min().unwrap_or(i64::MAX);
     if combined <= *current {
-        return Ok(0);
+        return Ok(());
     }
     *current = combined;
-    match body {
-        Body::Operator(op) => {
-            op.on_watermark(combined, out)?;
-            io.emit_collected(out).await
-        }
-        Body::Sink(_) => Ok(0),
-    }
+    chain.push(io, Emitted::Watermark(combined)).await
 }
