@@ -4,6 +4,8 @@
 //!   denied, all tests (unit, integration, property, doc; benches run once in
 //!   test mode, so they are compiled and exercised), docs with warnings denied.
 //! - `demo`: the runnable demo of what tinyflow does so far.
+//! - `kafka start|stop|status`: a real Apache Kafka broker on loopback for
+//!   integration tests (see `kafka.rs`).
 //!
 //! Each step prints what it runs and how long it took; the first failure
 //! stops the run with the step named.
@@ -40,7 +42,7 @@ fn main() -> Result<()> {
             .args(&args[1..]),
         ),
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo>");
+            eprintln!("usage: cargo xtask <ci|demo|kafka>");
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
             eprintln!("  kafka start|stop|status [--port N]: a local Kafka broker for tests");
