@@ -24,14 +24,6 @@ use tinyflow_checkpoint::{CheckpointConfig, CoordinatorDriver, DriverConfig, Loc
 /// Header bytes before the payload: magic, version, payload length, CRC-32.
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 
-fn init_tracing() {
-    // Several tests race to install it; only the first one wins, which is fine.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
-}
-
 fn job(name: &str) -> JobId {
     JobId::new(name).expect("test job ids are valid")
 }
@@ -133,7 +125,6 @@ async fn start_driver(
 
 #[tokio::test]
 async fn round_trip_keeps_every_task_state_of_a_one_megabyte_checkpoint() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("round-trip");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
@@ -192,7 +183,6 @@ async fn round_trip_keeps_every_task_state_of_a_one_megabyte_checkpoint() -> Res
 
 #[tokio::test]
 async fn stale_temp_files_are_removed_on_open_and_never_read() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("crash");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
@@ -229,7 +219,6 @@ async fn stale_temp_files_are_removed_on_open_and_never_read() -> Result<()> {
 
 #[tokio::test]
 async fn truncated_newest_file_falls_back_to_the_previous_checkpoint() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("truncated");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
@@ -269,7 +258,6 @@ async fn truncated_newest_file_falls_back_to_the_previous_checkpoint() -> Result
 
 #[tokio::test]
 async fn flipped_payload_byte_falls_back_to_the_previous_checkpoint() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("bit-flip");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
@@ -301,7 +289,6 @@ async fn flipped_payload_byte_falls_back_to_the_previous_checkpoint() -> Result<
 
 #[tokio::test]
 async fn garbage_or_bad_magic_falls_back_to_the_previous_checkpoint() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("garbage");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 5).await?;
@@ -336,7 +323,6 @@ async fn garbage_or_bad_magic_falls_back_to_the_previous_checkpoint() -> Result<
 
 #[tokio::test]
 async fn all_files_corrupt_restore_nothing_but_ids_continue() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("all-corrupt");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
@@ -373,7 +359,6 @@ async fn all_files_corrupt_restore_nothing_but_ids_continue() -> Result<()> {
 
 #[tokio::test]
 async fn retention_keeps_only_the_newest_three() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("retention");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
@@ -394,7 +379,6 @@ async fn retention_keeps_only_the_newest_three() -> Result<()> {
 
 #[tokio::test]
 async fn ids_continue_across_a_restart_and_above_what_sinks_committed() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let job_id = job("restart");
     let store = LocalDirStore::open(tmp.path(), job_id.clone(), 10).await?;
@@ -441,7 +425,6 @@ async fn ids_continue_across_a_restart_and_above_what_sinks_committed() -> Resul
 
 #[tokio::test]
 async fn directory_of_another_job_is_refused_naming_both_jobs() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let alpha = job("job-alpha");
     let store = LocalDirStore::open(tmp.path(), alpha.clone(), 3).await?;
@@ -473,7 +456,6 @@ async fn directory_of_another_job_is_refused_naming_both_jobs() -> Result<()> {
 
 #[tokio::test]
 async fn retain_zero_is_rejected_naming_the_key() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("never-created");
     let err = match LocalDirStore::open(&dir, job("retain"), 0).await {
@@ -498,7 +480,6 @@ async fn retain_zero_is_rejected_naming_the_key() -> Result<()> {
 
 #[tokio::test]
 async fn failed_write_is_retryable_names_the_path_and_keeps_the_previous() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("checkpoints");
     let aside = tmp.path().join("checkpoints-aside");
@@ -549,7 +530,6 @@ async fn failed_write_is_retryable_names_the_path_and_keeps_the_previous() -> Re
 
 #[tokio::test]
 async fn persist_of_another_jobs_checkpoint_is_rejected() -> Result<()> {
-    init_tracing();
     let tmp = tempfile::tempdir()?;
     let store = LocalDirStore::open(tmp.path(), job("job-alpha"), 3).await?;
     let err = match store.persist(&small(&job("job-beta"), 1)).await {

@@ -27,3 +27,8 @@ mod checkpoint_store;
 mod runtime_exactly_once;
 mod runtime_metrics;
 mod runtime_windows;
+
+// No test installs a global tracing subscriber: a global one with its own
+// level filter lowers tracing's process-wide level hint and hides events
+// from the test that captures them with a scoped subscriber
+// (`checkpoint_flaws::flaw_10_...`).
