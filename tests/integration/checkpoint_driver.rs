@@ -9,15 +9,7 @@ use std::time::Duration;
 use tinyflow_api::testing::MemoryCheckpointStore;
 use tinyflow_api::{AbortReason, DeclineReason, FromTask, StateHandle, TaskRole, ToTask};
 use tinyflow_checkpoint::{CheckpointConfig, CoordinatorHandle, DriverConfig, Error, Outcome};
-use tinyflow_tests::{Harness, SplitMix64, TaskSpec, cid, job_id, ms, tid};
-
-fn every(interval_ms: u64) -> CheckpointConfig {
-    CheckpointConfig {
-        interval: Some(ms(interval_ms)),
-        timeout: ms(60_000),
-        ..CheckpointConfig::default()
-    }
-}
+use tinyflow_tests::{Harness, SplitMix64, TaskSpec, cid, every, job_id, ms, tid};
 
 #[tokio::test(start_paused = true)]
 async fn slow_acks_do_not_move_the_fixed_rate_grid() {

@@ -10,15 +10,7 @@ use tinyflow_api::{AbortReason, FromTask, StateHandle, TaskRole, ToTask};
 use tinyflow_checkpoint::{
     CheckpointConfig, DriverConfig, Error, LocalDirStore, LossCause, Outcome,
 };
-use tinyflow_tests::{Harness, TaskSpec, cid, job_id, ms, tid};
-
-fn every(interval_ms: u64) -> CheckpointConfig {
-    CheckpointConfig {
-        interval: Some(ms(interval_ms)),
-        timeout: ms(60_000),
-        ..CheckpointConfig::default()
-    }
-}
+use tinyflow_tests::{Harness, TaskSpec, cid, every, job_id, ms, tid};
 
 /// Seed: offsets were committed on `CheckpointEnd` independently of the
 /// Iceberg commit, and a full channel made the broadcast partial (some tasks

@@ -29,6 +29,15 @@ pub fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
+/// Checkpoints every `interval_ms` with a generous (60 s) timeout.
+pub fn every(interval_ms: u64) -> CheckpointConfig {
+    CheckpointConfig {
+        interval: Some(ms(interval_ms)),
+        timeout: ms(60_000),
+        ..CheckpointConfig::default()
+    }
+}
+
 /// A checkpoint id.
 pub fn cid(n: u64) -> CheckpointId {
     CheckpointId::new(n)

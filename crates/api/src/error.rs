@@ -4,6 +4,23 @@ use std::path::PathBuf;
 
 use crate::{CheckpointId, TaskId};
 
+/// An error and its sources, `: `-separated, for one log field or message.
+///
+/// ```
+/// let e = std::io::Error::other("disk full");
+/// assert_eq!(tinyflow_api::error_chain(&e), "disk full");
+/// ```
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
 /// Result with [`StreamError`].
 pub type StreamResult<T> = Result<T, StreamError>;
 

@@ -363,22 +363,28 @@ impl<T: Data> Stream<T> {
         self.then(name, factory)
     }
 
+    /// Adds a stateless operator that turns each batch into another.
+    fn per_batch<U: Data>(
+        self,
+        name: &str,
+        f: impl Fn(Vec<T>) -> Vec<U> + Clone + Send + Sync + 'static,
+    ) -> Stream<U> {
+        let op_name = name.to_owned();
+        self.then(
+            name,
+            FnFactory(move || Stateless::<T, U, _>::new(op_name.clone(), f.clone())),
+        )
+    }
+
     /// Applies `f` to every record.
     pub fn map<U: Data>(
         self,
         name: &str,
         f: impl Fn(T) -> U + Clone + Send + Sync + 'static,
     ) -> Stream<U> {
-        let name_owned = name.to_owned();
-        self.then(
-            name,
-            FnFactory(move || {
-                let (f, name) = (f.clone(), name_owned.clone());
-                Stateless::<T, U, _>::new(name, move |records: Vec<T>| {
-                    records.into_iter().map(&f).collect()
-                })
-            }),
-        )
+        self.per_batch(name, move |records: Vec<T>| {
+            records.into_iter().map(&f).collect()
+        })
     }
 
     /// Keeps the records for which `f` is true.
@@ -387,17 +393,10 @@ impl<T: Data> Stream<T> {
         name: &str,
         f: impl Fn(&T) -> bool + Clone + Send + Sync + 'static,
     ) -> Stream<T> {
-        let name_owned = name.to_owned();
-        self.then(
-            name,
-            FnFactory(move || {
-                let (f, name) = (f.clone(), name_owned.clone());
-                Stateless::<T, T, _>::new(name, move |mut records: Vec<T>| {
-                    records.retain(&f);
-                    records
-                })
-            }),
-        )
+        self.per_batch(name, move |mut records: Vec<T>| {
+            records.retain(&f);
+            records
+        })
     }
 
     /// Maps every record to zero or more records.
@@ -406,16 +405,9 @@ impl<T: Data> Stream<T> {
         name: &str,
         f: impl Fn(T) -> I + Clone + Send + Sync + 'static,
     ) -> Stream<U> {
-        let name_owned = name.to_owned();
-        self.then(
-            name,
-            FnFactory(move || {
-                let (f, name) = (f.clone(), name_owned.clone());
-                Stateless::<T, U, _>::new(name, move |records: Vec<T>| {
-                    records.into_iter().flat_map(&f).collect()
-                })
-            }),
-        )
+        self.per_batch(name, move |records: Vec<T>| {
+            records.into_iter().flat_map(&f).collect()
+        })
     }
 
     /// Partitions the stream by key: the next operator sees every record of

@@ -43,7 +43,7 @@ pub use data::{
     AnyBatch, DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group, key_groups_of,
     owner_of_group,
 };
-pub use error::{CorruptReason, StreamError, StreamResult};
+pub use error::{CorruptReason, StreamError, StreamResult, error_chain};
 pub use ids::{CheckpointId, IdError, JobId, SinkId, TaskId};
 pub use job::{
     Edge, JobBuilder, JobGraph, KeyedStream, Node, NodeId, NodeKind, Partitioner, Partitioning,

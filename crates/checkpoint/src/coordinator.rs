@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use tinyflow_api::{
     AbortReason, CheckpointId, CompletedCheckpoint, FromTask, JobId, StateHandle, StreamError,
-    TaskId, TaskRole, ToTask,
+    TaskId, TaskRole, ToTask, error_chain,
 };
 use tokio::time::Instant;
 
@@ -693,18 +693,6 @@ fn next_grid_point(slot: Instant, interval: Duration, now: Instant) -> Instant {
     let steps = behind.as_nanos() / interval.as_nanos().max(1) + 1;
     let steps = u32::try_from(steps).unwrap_or(u32::MAX);
     slot + interval.saturating_mul(steps)
-}
-
-/// An error and its sources, `: `-separated, for one log field.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
 }
 
 #[cfg(test)]

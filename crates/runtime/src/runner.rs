@@ -14,6 +14,7 @@ use std::sync::Arc;
 use tinyflow_api::{
     CheckpointId, CheckpointStore, FromTask, JobGraph, NodeId, NodeKind, OperatorContext,
     Partitioning, SinkRestore, StreamError, SystemWallClock, TaskId, TaskRole, WallClock,
+    error_chain,
 };
 use tinyflow_checkpoint::{
     CheckpointConfig, CoordinatorDriver, CoordinatorHandle, DriverConfig, Outcome,
@@ -119,7 +120,7 @@ impl JobRunner {
                 None
             };
             let Some(delay) = delay else {
-                tracing::error!(job = %self.graph.job_id, attempt, error = %chain(&cause), "job failed");
+                tracing::error!(job = %self.graph.job_id, attempt, error = %error_chain(&cause), "job failed");
                 return Err(Error::JobFailed {
                     attempts: attempt,
                     cause: Box::new(cause),
@@ -128,7 +129,7 @@ impl JobRunner {
             tracing::warn!(
                 job = %self.graph.job_id,
                 attempt,
-                error = %chain(&cause),
+                error = %error_chain(&cause),
                 delay_ms = delay.as_millis() as u64,
                 "job attempt failed, restarting from the newest completed checkpoint"
             );
@@ -418,7 +419,7 @@ async fn supervise(
     match task.await {
         Ok(()) | Err(TaskError::Gone) => Ok(()),
         Err(TaskError::Failed(source)) => {
-            let message = chain(&source);
+            let message = error_chain(&source);
             tracing::warn!(task = %label, error = %message, "task failed");
             // Best effort: the coordinator may be gone already.
             let _ = coordinator
@@ -448,17 +449,6 @@ fn panic_error(labels: &HashMap<tokio::task::Id, String>, j: tokio::task::JoinEr
         "cancelled".into()
     };
     Error::Panic { task, message }
-}
-
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
 }
 
 #[cfg(test)]
