@@ -495,3 +495,99 @@ async fn failure_right_after_alignment_loses_and_duplicates_nothing() {
         );
     }
 }
+
+/// A sink that is not transactional: it counts records as they arrive.
+#[derive(Clone, Default)]
+struct CountingSink(Arc<AtomicU64>);
+
+struct Counter(Arc<AtomicU64>);
+
+#[async_trait::async_trait]
+impl tinyflow_api::SinkFactory<u64> for CountingSink {
+    async fn create(
+        &self,
+        _ctx: &tinyflow_api::OperatorContext,
+        _restored: Option<tinyflow_api::SinkRestore<'_>>,
+    ) -> tinyflow_api::StreamResult<Box<dyn tinyflow_api::Sink<u64>>> {
+        Ok(Box::new(Counter(Arc::clone(&self.0))))
+    }
+
+    fn is_transactional(&self) -> bool {
+        false
+    }
+}
+
+#[async_trait::async_trait]
+impl tinyflow_api::Sink<u64> for Counter {
+    async fn write(&mut self, batch: Vec<u64>) -> tinyflow_api::StreamResult<()> {
+        // A slow sink: the sources end long before it has seen everything.
+        tokio::time::sleep(ms(1)).await;
+        self.0.fetch_add(batch.len() as u64, Ordering::SeqCst);
+        Ok(())
+    }
+    async fn prepare_commit(
+        &mut self,
+        _id: tinyflow_api::CheckpointId,
+    ) -> tinyflow_api::StreamResult<Vec<u8>> {
+        Ok(Vec::new())
+    }
+    async fn commit(&mut self, _id: tinyflow_api::CheckpointId) -> tinyflow_api::StreamResult<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_checkpointing_off_a_job_drains_everything_before_it_ends() {
+    for chaining in [true, false] {
+        let sink = CountingSink::default();
+        let job = JobBuilder::new(JobId::new("no-checkpoints").unwrap());
+        job.source(
+            "numbers",
+            3,
+            VecSource::new(partitions(3, 1_000)).batch_size(7),
+        )
+        .map("slow", |n: u64| n + 1)
+        .rebalance()
+        .filter("all", |_: &u64| true)
+        .parallelism(2)
+        .sink("count", 1, sink.clone());
+        let mut config = config(10);
+        config.checkpoint.interval = None;
+        config.channel_capacity = 1;
+        config.chaining = chaining;
+        let report = JobRunner::new(
+            job.build().unwrap(),
+            Arc::new(MemoryCheckpointStore::new()),
+            config,
+        )
+        .run()
+        .await
+        .unwrap();
+        assert_eq!(report.final_checkpoint, None);
+        assert_eq!(sink.0.load(Ordering::SeqCst), 3_000, "chaining {chaining}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_checkpointing_off_a_transactional_sink_is_refused() {
+    let job = JobBuilder::new(JobId::new("no-checkpoints").unwrap());
+    job.source("numbers", 1, VecSource::new(partitions(1, 10)))
+        .sink("out", 1, CollectingSink::<u64>::new());
+    let mut config = config(10);
+    config.checkpoint.interval = None;
+    config.restart = RestartStrategy::None;
+    let err = JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        config,
+    )
+    .run()
+    .await
+    .unwrap_err();
+    let text = tinyflow_api::error_chain(&err);
+    assert!(
+        text.contains("checkpoint.interval") && text.contains("transactional sink"),
+        "{text}"
+    );
+    assert!(matches!(err, Error::JobFailed { attempts: 1, .. }));
+}

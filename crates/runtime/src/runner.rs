@@ -187,6 +187,7 @@ impl JobRunner {
                     inputs: std::mem::take(&mut inputs[chain[0]][s]),
                     outputs: std::mem::take(&mut outputs[chain[chain.len() - 1]][s]),
                     metrics: TaskMetrics::new(&head.name, s),
+                    checkpointing: self.config.checkpoint.interval.is_some(),
                 };
                 let label = io.label();
                 let (source, body) = self.build_chain(chain, s, &plan).await?;

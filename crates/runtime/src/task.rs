@@ -73,6 +73,11 @@ pub(crate) struct TaskIo {
     pub(crate) inputs: Vec<mpsc::Receiver<Message>>,
     pub(crate) outputs: Vec<Output>,
     pub(crate) metrics: TaskMetrics,
+    /// With checkpointing on, a task runs until the coordinator is done (the
+    /// final checkpoint covers everything in flight); with it off, the
+    /// coordinator is done as soon as the sources ended, so a task first
+    /// passes on everything still in its inputs.
+    pub(crate) checkpointing: bool,
 }
 
 impl TaskIo {
@@ -402,6 +407,8 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
     let mut align_started = tokio::time::Instant::now();
     let mut next = 0usize;
     let mut inputs_done = n == 0;
+    let mut control_open = true;
+    let mut finished = false;
     let mut watermarks = vec![i64::MIN; n];
     let mut watermark = i64::MIN;
     let mut records_in = 0u64;
@@ -430,10 +437,13 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
         });
         tokio::select! {
             biased;
-            msg = io.control.recv() => match msg {
+            msg = io.control.recv(), if control_open => match msg {
                 Some(ToTask::NotifyComplete { id }) => chain.commit(id).await?,
                 Some(_) => {}
-                None => break,
+                None if io.checkpointing || inputs_done || finished => break,
+                // Checkpointing off: the coordinator may finish before the
+                // data does; drain the inputs first.
+                None => control_open = false,
             },
             got = input, if !inputs_done => match got {
                 Some((i, Message::Data(batch))) => {
@@ -473,10 +483,17 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
                     advance(&mut io, &mut chain, &watermarks, &mut watermark).await?;
                     if ended.iter().all(|e| *e) {
                         chain.finish(&mut io).await?;
+                        finished = true;
+                        // Checkpointing off and the coordinator already done:
+                        // everything is passed on, nothing else will come.
+                        if !control_open {
+                            break;
+                        }
                     }
                 }
                 // Every upstream task is gone: only the coordinator matters now.
-                None => inputs_done = true,
+                None if control_open => inputs_done = true,
+                None => break,
             },
         }
     }
