@@ -335,3 +335,40 @@ async fn same_seed_gives_the_same_trace() {
     let other = random_run(8).await;
     assert_ne!(first.0, other.0, "a different seed should change the trace");
 }
+
+/// With `wait_for_start`, nothing is triggered and no source's end counts
+/// until every task is registered: the grid starts at the start signal.
+#[tokio::test(start_paused = true)]
+async fn nothing_triggers_or_finishes_before_the_start_signal() {
+    let store = MemoryCheckpointStore::new();
+    let mut config = DriverConfig::new(job_id(), every(100));
+    config.wait_for_start = true;
+    let mut h = Harness::start(
+        config,
+        Arc::new(store.clone()),
+        &[TaskSpec::new(0, TaskRole::Source)],
+    )
+    .await
+    .unwrap();
+    // The only source registered so far ends: that is not the job's end.
+    h.send(FromTask::EndOfInput { task: tid(0) }).await;
+    h.expect_silence(0, ms(500)).await;
+    let (tx, mut rx) = tinyflow_api::testing::control_channel(8);
+    h.handle
+        .register(tid(1), TaskRole::Source, tx)
+        .await
+        .unwrap();
+    h.handle.start().await.unwrap();
+    // Start at 500 ms: the first grid point is one interval later.
+    let id = h.expect_trigger(0, ms(100)).await;
+    assert_eq!(h.elapsed(), ms(600));
+    assert!(matches!(rx.recv().await, Some(ToTask::TriggerCheckpoint { id: t, .. }) if t == id));
+    h.ack(0, id, b"").await;
+    h.ack(1, id, b"").await;
+    assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+    // Now the second source ends too: the final checkpoint follows at once.
+    h.send(FromTask::EndOfInput { task: tid(1) }).await;
+    let last = h.expect_trigger(0, ms(1)).await;
+    assert!(last > id);
+    h.shutdown().await.unwrap();
+}

@@ -341,7 +341,7 @@ impl Run<'_> {
                 }
                 ExpectFail::No
             }
-            Event::Tick | Event::Task(FromTask::Decline { .. }) => ExpectFail::No,
+            Event::Tick | Event::Start | Event::Task(FromTask::Decline { .. }) => ExpectFail::No,
         };
         (expect, durable)
     }

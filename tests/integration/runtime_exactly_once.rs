@@ -591,3 +591,60 @@ async fn with_checkpointing_off_a_transactional_sink_is_refused() {
     );
     assert!(matches!(err, Error::JobFailed { attempts: 1, .. }));
 }
+
+/// A source whose later subtasks take a while to set up (as a Kafka source
+/// fetching metadata does), while the first ends at once.
+struct SlowSetup(VecSource<u64>);
+
+impl tinyflow_api::SourceFactory<u64> for SlowSetup {
+    fn create(
+        &self,
+        ctx: &tinyflow_api::OperatorContext,
+        restored: &[Vec<u8>],
+    ) -> tinyflow_api::StreamResult<Box<dyn tinyflow_api::Source<u64>>> {
+        if ctx.subtask > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(150));
+        }
+        self.0.create(ctx, restored)
+    }
+}
+
+/// Regression (found against the real Kafka broker): while tasks were still
+/// being set up, the coordinator triggered checkpoints that left them out,
+/// and took "every registered source ended" for "every source ended",
+/// finishing the job before the slow sources had read anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_wait_until_every_task_is_set_up() {
+    let sink = CollectingSink::<u64>::new();
+    let job = JobBuilder::new(JobId::new("slow-setup").unwrap());
+    // Subtask 0 reads partition 0 (empty); subtask 1 reads partition 1.
+    let input = vec![Vec::new(), (0..2_000u64).collect()];
+    job.source(
+        "numbers",
+        2,
+        SlowSetup(VecSource::new(input).batch_size(10)),
+    )
+    .rebalance()
+    .sink("out", 1, sink.clone());
+    let mut config = RuntimeConfig {
+        channel_capacity: 2,
+        ..RuntimeConfig::default()
+    };
+    config.checkpoint.interval = Some(ms(20));
+    config.restart = RestartStrategy::None;
+    let report = JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        config,
+    )
+    .run()
+    .await
+    .unwrap();
+    assert!(report.final_checkpoint.is_some());
+    assert_eq!(sorted_u64(sink.committed()), (0..2_000).collect::<Vec<_>>());
+}
+
+fn sorted_u64(mut v: Vec<u64>) -> Vec<u64> {
+    v.sort_unstable();
+    v
+}

@@ -48,6 +48,9 @@ pub struct Now {
 pub enum Event {
     /// Time passed; timers may have expired.
     Tick,
+    /// Every task of the job is registered: checkpointing may begin (see
+    /// [`Coordinator::wait_for_start`]). The fixed-rate grid starts now.
+    Start,
     /// A task joined the job.
     Register {
         /// The task.
@@ -164,6 +167,8 @@ pub struct Coordinator {
     trigger_due: bool,
     consecutive_failures: u32,
     phase: Phase,
+    /// No trigger until [`Event::Start`].
+    waiting_for_start: bool,
 }
 
 impl Coordinator {
@@ -192,7 +197,16 @@ impl Coordinator {
             trigger_due: false,
             consecutive_failures: 0,
             phase: Phase::Running,
+            waiting_for_start: false,
         }
+    }
+
+    /// Holds every trigger (periodic and final) until [`Event::Start`], for a
+    /// runtime that registers its tasks one by one: the grid then starts at
+    /// the start event instead of at construction.
+    pub fn wait_for_start(&mut self) {
+        self.waiting_for_start = true;
+        self.next_slot = None;
     }
 
     /// Decides on one event at time `now`.
@@ -300,6 +314,15 @@ impl Coordinator {
     fn apply(&mut self, event: Event, now: Now, out: &mut Vec<Action>) {
         match event {
             Event::Tick => {}
+            Event::Start => {
+                if self.waiting_for_start {
+                    self.waiting_for_start = false;
+                    self.next_slot = self.config.interval.map(|i| now.at + i);
+                    tracing::debug!(job = %self.job_id, tasks = self.tasks.len(), "all tasks registered, checkpointing starts");
+                    // Sources that ended while others were still registering.
+                    self.check_sources_done(now, out);
+                }
+            }
             Event::Register { task, role } => self.register(task, role, out),
             Event::Deregister { task } => self.deregister(task, now, out),
             Event::Task(FromTask::Ack { task, id, state }) => self.ack(task, id, state, now),
@@ -486,7 +509,9 @@ impl Coordinator {
     }
 
     fn check_sources_done(&mut self, now: Now, out: &mut Vec<Action>) {
-        if self.phase != Phase::Running {
+        // Until every task is registered, "all sources ended" may only mean
+        // "all sources registered so far ended".
+        if self.phase != Phase::Running || self.waiting_for_start {
             return;
         }
         let mut sources = self
@@ -634,6 +659,11 @@ impl Coordinator {
         let Some(interval) = self.config.interval else {
             return;
         };
+        // A checkpoint triggered while tasks are still registering would
+        // leave their state out of it.
+        if self.waiting_for_start {
+            return;
+        }
         if self.phase == Phase::Running
             && let Some(slot) = self.next_slot
             && now.at >= slot

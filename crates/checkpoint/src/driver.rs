@@ -51,6 +51,7 @@ pub enum Outcome {
 pub struct CoordinatorGone;
 
 enum Inbound {
+    Start,
     Register {
         task: TaskId,
         role: TaskRole,
@@ -65,6 +66,7 @@ enum Inbound {
 impl fmt::Debug for Inbound {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Inbound::Start => f.write_str("Start"),
             Inbound::Register { task, role, .. } => write!(f, "Register({task}, {role:?})"),
             Inbound::Deregister { task } => write!(f, "Deregister({task})"),
             Inbound::Task(msg) => write!(f, "{msg:?}"),
@@ -95,6 +97,12 @@ impl CoordinatorHandle {
             channel: Box::new(channel),
         })
         .await
+    }
+
+    /// Every task is registered: checkpointing may begin (only needed with
+    /// [`DriverConfig::wait_for_start`]).
+    pub async fn start(&self) -> Result<(), CoordinatorGone> {
+        self.send_inbound(Inbound::Start).await
     }
 
     /// Removes a task on purpose (not a failure). Checkpoints waiting for it
@@ -128,6 +136,10 @@ pub struct DriverConfig {
     pub sinks_committed: Option<CheckpointId>,
     /// Capacity of the inbound channel.
     pub inbound_capacity: usize,
+    /// Trigger nothing until [`CoordinatorHandle::start`]: for runtimes that
+    /// register tasks one by one (a checkpoint triggered half-way would miss
+    /// the state of tasks not yet registered).
+    pub wait_for_start: bool,
 }
 
 impl DriverConfig {
@@ -139,6 +151,7 @@ impl DriverConfig {
             has_transactional_sink: false,
             sinks_committed: None,
             inbound_capacity: DEFAULT_INBOUND_CAPACITY,
+            wait_for_start: false,
         }
     }
 }
@@ -259,7 +272,10 @@ impl CoordinatorDriver {
             "checkpoint coordinator starting"
         );
         let (tx, inbound) = mpsc::channel(config.inbound_capacity.max(1));
-        let core = Coordinator::new(config.job_id, config.checkpoint, next_id, Instant::now());
+        let mut core = Coordinator::new(config.job_id, config.checkpoint, next_id, Instant::now());
+        if config.wait_for_start {
+            core.wait_for_start();
+        }
         let driver = CoordinatorDriver {
             core,
             store,
@@ -307,6 +323,7 @@ impl CoordinatorDriver {
                         Event::Deregister { task }
                     }
                     Some(Inbound::Task(msg)) => Event::Task(msg),
+                    Some(Inbound::Start) => Event::Start,
                     None => return Err(Error::InboundClosed { live_tasks: self.core.task_count() }),
                 },
                 Some(watched) = self.watches.next(), if !self.watches.is_empty() => match watched {

@@ -147,6 +147,9 @@ impl JobRunner {
             .any(|n| matches!(&n.kind, NodeKind::Sink(f) if f.is_transactional()));
         // Registrations are queued before the driver runs.
         dc.inbound_capacity = dc.inbound_capacity.max(total + 16);
+        // Setting tasks up can take a while (a Kafka source fetches
+        // metadata): no checkpoint until every task is registered.
+        dc.wait_for_start = true;
         let (driver, handle, restored) =
             CoordinatorDriver::start(dc, Arc::clone(&self.store), Arc::clone(&self.clock)).await?;
         let plan = RestorePlan::new(restored.checkpoint.as_ref())?;
@@ -200,6 +203,9 @@ impl JobRunner {
                 labels.insert(tasks.spawn(task).id(), label);
             }
         }
+        handle.start().await.map_err(|_| StreamError::Graph {
+            message: "coordinator gone during setup".into(),
+        })?;
         drop(handle);
 
         let run = driver.run(std::future::pending::<()>());
