@@ -8,6 +8,8 @@
 //!   reference model, checking the exactly-once invariants after every step.
 //! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
 //!   retention, id continuity.
+//! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
+//!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
 //!   points; committed output equals the expected output; keyed state across restore and
 //!   rescale.
@@ -24,6 +26,7 @@ mod checkpoint_driver;
 mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
+mod kafka_source;
 mod runtime_exactly_once;
 mod runtime_metrics;
 mod runtime_windows;

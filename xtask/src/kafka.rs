@@ -59,6 +59,49 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     }
 }
 
+/// A broker for `cargo xtask ci`: started unless one of ours already runs
+/// (or `KAFKA_BOOTSTRAP` names another), and stopped on drop if this call
+/// started it.
+pub(crate) struct CiBroker {
+    layout: Option<Layout>,
+    /// `host:port` for the tests' `KAFKA_BOOTSTRAP`.
+    pub(crate) bootstrap: String,
+}
+
+impl CiBroker {
+    pub(crate) fn start() -> Result<Self> {
+        if let Ok(given) = std::env::var("KAFKA_BOOTSTRAP") {
+            eprintln!("xtask kafka: using the broker at KAFKA_BOOTSTRAP={given}");
+            return Ok(CiBroker {
+                layout: None,
+                bootstrap: given,
+            });
+        }
+        let (_, port) = parse_args(
+            &["start".to_owned()],
+            std::env::var("TINYFLOW_KAFKA_PORT").ok(),
+        )?;
+        let layout = Layout::new(port)?;
+        let ours = !matches!(broker_state(&layout)?, BrokerState::Running(_));
+        start(&layout)?;
+        let bootstrap = layout.address().to_string();
+        Ok(CiBroker {
+            layout: ours.then_some(layout),
+            bootstrap,
+        })
+    }
+}
+
+impl Drop for CiBroker {
+    fn drop(&mut self) {
+        if let Some(layout) = &self.layout
+            && let Err(e) = stop(layout)
+        {
+            eprintln!("xtask kafka: stopping the broker failed: {e:#}");
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
     Start,

@@ -2,7 +2,8 @@
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy with warnings
 //!   denied, all tests (unit, integration, property, doc; benches run once in
-//!   test mode, so they are compiled and exercised), docs with warnings denied.
+//!   test mode, so they are compiled and exercised) with a real Kafka broker
+//!   started for them and stopped after, docs with warnings denied.
 //! - `demo`: the runnable demo of what tinyflow does so far.
 //! - `kafka start|stop|status`: a real Apache Kafka broker on loopback for
 //!   integration tests (see `kafka.rs`).
@@ -73,11 +74,16 @@ fn ci() -> Result<()> {
         ]),
     )?;
     let mut counts = TestCounts::default();
+    // Integration tests read and write a real Kafka broker; it stops when
+    // `broker` is dropped, also when a step fails.
+    let broker = kafka::CiBroker::start()?;
     run_tests(
         "tests",
-        &mut cargo(&["test", "--workspace", "--all-targets", "--all-features"]),
+        cargo(&["test", "--workspace", "--all-targets", "--all-features"])
+            .env("KAFKA_BOOTSTRAP", &broker.bootstrap),
         &mut counts,
     )?;
+    drop(broker);
     run_tests(
         "doc tests",
         &mut cargo(&["test", "--workspace", "--doc", "--all-features"]),

@@ -95,6 +95,34 @@ pub enum StreamError {
         /// The error.
         message: String,
     },
+    /// A source record could not be decoded (bad-record policy `fail`).
+    #[error("bad record in {operator} at {topic}/{partition}@{offset}: {reason}")]
+    BadRecord {
+        /// The source.
+        operator: String,
+        /// Where the record is: topic (or stream) name.
+        topic: String,
+        /// Partition.
+        partition: i32,
+        /// Offset.
+        offset: i64,
+        /// Why it could not be decoded.
+        reason: String,
+    },
+    /// An external system (broker, catalog) failed or is unreachable.
+    #[error("{operator}: {system} error while {action}: {message}")]
+    External {
+        /// The source or sink.
+        operator: String,
+        /// `kafka`, `iceberg`, ...
+        system: &'static str,
+        /// What was being done.
+        action: String,
+        /// The client's error.
+        message: String,
+        /// Whether trying again later may help.
+        retryable: bool,
+    },
     /// The job graph is invalid.
     #[error("invalid job graph: {message}")]
     Graph {
@@ -124,7 +152,9 @@ impl StreamError {
             | StreamError::User { .. } => true,
             StreamError::TypeMismatch { .. }
             | StreamError::State { .. }
-            | StreamError::Graph { .. } => false,
+            | StreamError::Graph { .. }
+            | StreamError::BadRecord { .. } => false,
+            StreamError::External { retryable, .. } => *retryable,
             StreamError::Corrupt { .. }
             | StreamError::Config { .. }
             | StreamError::TaskFailed { .. } => false,

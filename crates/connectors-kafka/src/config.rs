@@ -1,0 +1,212 @@
+//! Configuration of the Kafka source.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+
+/// Where a partition without checkpointed position starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartPosition {
+    /// The oldest retained record.
+    Earliest,
+    /// After the newest record at start.
+    Latest,
+    /// The consumer group's committed offset (earliest where there is none).
+    Committed,
+    /// The first record at or after this time (ms since the Unix epoch).
+    Timestamp(i64),
+    /// Explicit offsets per (topic, partition); others start at the earliest.
+    Offsets(BTreeMap<(String, i32), i64>),
+}
+
+/// What to do with a record that does not decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadRecordPolicy {
+    /// Fail the job with the record's topic, partition, offset and reason.
+    Fail,
+    /// Skip it, counting it in `tinyflow_bad_records_total`.
+    Skip,
+}
+
+type DecodeFn<V> = Arc<dyn Fn(&[u8]) -> Result<V, String> + Send + Sync>;
+
+/// How record values are decoded.
+pub struct Format<V> {
+    pub(crate) name: &'static str,
+    pub(crate) decode: DecodeFn<V>,
+}
+
+impl<V> Clone for Format<V> {
+    fn clone(&self) -> Self {
+        Format {
+            name: self.name,
+            decode: Arc::clone(&self.decode),
+        }
+    }
+}
+
+impl<V> fmt::Debug for Format<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Format({})", self.name)
+    }
+}
+
+impl Format<Vec<u8>> {
+    /// The value's bytes as they are.
+    pub fn bytes() -> Self {
+        Format {
+            name: "bytes",
+            decode: Arc::new(|b| Ok(b.to_vec())),
+        }
+    }
+}
+
+impl Format<String> {
+    /// The value as UTF-8 text.
+    pub fn utf8() -> Self {
+        Format {
+            name: "utf8",
+            decode: Arc::new(|b| {
+                String::from_utf8(b.to_vec()).map_err(|e| format!("not UTF-8: {e}"))
+            }),
+        }
+    }
+}
+
+impl<V: DeserializeOwned + 'static> Format<V> {
+    /// The value as JSON, into `V`.
+    pub fn json() -> Self {
+        let _ = PhantomData::<V>;
+        Format {
+            name: "json",
+            decode: Arc::new(|b| {
+                serde_json::from_slice(b).map_err(|e| format!("invalid JSON: {e}"))
+            }),
+        }
+    }
+}
+
+/// How a [`KafkaSource`](crate::KafkaSource) connects and reads.
+#[derive(Clone)]
+pub struct KafkaSourceConfig {
+    /// `host:port,...`
+    pub bootstrap_servers: String,
+    /// The topics to read (all their partitions).
+    pub topics: Vec<String>,
+    /// Consumer group, for committing offsets (monitoring only).
+    pub group_id: String,
+    /// Where partitions without a checkpointed position start.
+    pub start: StartPosition,
+    /// Read up to the end offsets seen at start, then end (a bounded job).
+    pub bounded: bool,
+    /// Commit positions to the consumer group after each completed
+    /// checkpoint (for lag monitoring; never used for recovery).
+    pub commit_offsets: bool,
+    /// What to do with records that do not decode.
+    pub bad_records: BadRecordPolicy,
+    /// Records per batch at most.
+    pub batch_size: usize,
+    /// Timeout for metadata and offset look-ups.
+    pub request_timeout: Duration,
+    /// librdkafka settings passed through (SASL, SSL, fetch sizes). Values of
+    /// keys that look secret never appear in `Debug` output or logs.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl KafkaSourceConfig {
+    /// Reads `topics` from `bootstrap_servers` from the earliest offsets,
+    /// unbounded, committing offsets to `group_id` after checkpoints.
+    pub fn new(
+        bootstrap_servers: impl Into<String>,
+        topics: &[&str],
+        group_id: impl Into<String>,
+    ) -> Self {
+        KafkaSourceConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            group_id: group_id.into(),
+            start: StartPosition::Earliest,
+            bounded: false,
+            commit_offsets: true,
+            bad_records: BadRecordPolicy::Fail,
+            batch_size: 1024,
+            request_timeout: Duration::from_secs(10),
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+/// Whether a librdkafka property holds a secret.
+pub(crate) fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "secret",
+        "jaas",
+        "ssl.key",
+        "token",
+        "credential",
+    ]
+    .iter()
+    .any(|s| k.contains(s))
+}
+
+impl fmt::Debug for KafkaSourceConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let props: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("KafkaSourceConfig")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("topics", &self.topics)
+            .field("group_id", &self.group_id)
+            .field("start", &self.start)
+            .field("bounded", &self.bounded)
+            .field("commit_offsets", &self.commit_offsets)
+            .field("bad_records", &self.bad_records)
+            .field("batch_size", &self.batch_size)
+            .field("properties", &props)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_never_show_in_debug() {
+        let mut c = KafkaSourceConfig::new("b:9092", &["t"], "g");
+        c.properties
+            .insert("sasl.password".into(), "hunter2".into());
+        c.properties
+            .insert("sasl.jaas.config".into(), "user=me password=hunter2".into());
+        c.properties
+            .insert("fetch.max.bytes".into(), "1048576".into());
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(
+            shown.contains("1048576") && shown.contains("***"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn formats_decode_or_say_why_not() {
+        assert_eq!((Format::bytes().decode)(b"\xff").unwrap(), vec![0xff]);
+        assert!(
+            (Format::utf8().decode)(b"\xff")
+                .unwrap_err()
+                .contains("not UTF-8")
+        );
+        let json = Format::<BTreeMap<String, u32>>::json();
+        assert_eq!((json.decode)(br#"{"a":1}"#).unwrap()["a"], 1);
+        assert!((json.decode)(b"{").unwrap_err().contains("invalid JSON"));
+    }
+}

@@ -1,0 +1,25 @@
+//! tinyflow's Kafka source.
+//!
+//! [`KafkaSource`] reads one or more topics. Their partitions are listed at
+//! start, sorted by topic and partition, and dealt round-robin over the
+//! source's subtasks, so every subtask knows exactly which partitions it
+//! owns without a consumer-group rebalance. The position of each partition
+//! (the next offset to read) is the subtask's checkpoint state; on restore
+//! the source seeks to the checkpoint's offsets and nothing else, also when
+//! the job comes back with a different parallelism (positions are kept per
+//! partition, not per subtask). Consumer-group offsets are committed after a
+//! checkpoint completes, for lag monitoring only.
+//!
+//! Records arrive as [`KafkaRecord`]s: the decoded value ([`Format`]: raw
+//! bytes, UTF-8, or JSON into any `serde` type) with topic, partition,
+//! offset, timestamp, key and headers. A record that does not decode goes to
+//! the [`BadRecordPolicy`]: fail with the topic, partition, offset and
+//! reason, or skip it (counted).
+
+mod config;
+mod source;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use config::{BadRecordPolicy, Format, KafkaSourceConfig, StartPosition};
+pub use source::{KafkaRecord, KafkaSource};

@@ -1,0 +1,115 @@
+//! Helpers for tests against a real broker (feature `testing`): create a
+//! topic, produce records to given partitions.
+
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+
+/// The broker address for tests: `KAFKA_BOOTSTRAP`, as `cargo xtask kafka
+/// start` prints it (and `cargo xtask ci` exports it).
+///
+/// # Panics
+/// When it is not set: a test that needs the broker fails loudly rather
+/// than skipping.
+pub fn bootstrap() -> String {
+    std::env::var("KAFKA_BOOTSTRAP").unwrap_or_else(|_| {
+        panic!(
+            "KAFKA_BOOTSTRAP is not set: these tests need a real Kafka broker. \
+             Run `cargo xtask ci` (it starts one), or `cargo xtask kafka start` and export the line it prints"
+        )
+    })
+}
+
+/// Creates `topic` with `partitions` partitions (replication 1).
+pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> Result<(), String> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .map_err(|e| e.to_string())?;
+    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let results = admin
+        .create_topics(
+            [&new],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    for r in results {
+        r.map_err(|(t, e)| format!("creating {t}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Produces `records` as (partition, key, value) and waits until all are
+/// acknowledged.
+pub fn produce(
+    bootstrap: &str,
+    topic: &str,
+    records: &[(i32, Vec<u8>, Vec<u8>)],
+) -> Result<(), String> {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "5")
+        .set("enable.idempotence", "true")
+        .create()
+        .map_err(|e| e.to_string())?;
+    for (partition, key, value) in records {
+        let mut record = BaseRecord::to(topic)
+            .partition(*partition)
+            .key(key)
+            .payload(value);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull,
+                    ),
+                    r,
+                )) => {
+                    producer.poll(Duration::from_millis(50));
+                    record = r;
+                }
+                Err((e, _)) => return Err(e.to_string()),
+            }
+        }
+        producer.poll(Duration::ZERO);
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .map_err(|e| e.to_string())
+}
+
+/// The offsets `group` committed for `topic`'s partitions `0..partitions`
+/// (`None` where it committed nothing).
+pub fn committed_offsets(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+) -> Result<Vec<Option<i64>>, String> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .create()
+        .map_err(|e| e.to_string())?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let found = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .map_err(|e| e.to_string())?;
+    Ok((0..partitions)
+        .map(
+            |p| match found.find_partition(topic, p).map(|e| e.offset()) {
+                Some(rdkafka::Offset::Offset(o)) => Some(o),
+                _ => None,
+            },
+        )
+        .collect())
+}
