@@ -169,6 +169,31 @@ pub struct Coordinator {
     phase: Phase,
     /// No trigger until [`Event::Start`].
     waiting_for_start: bool,
+    metrics: CoordinatorMetrics,
+}
+
+/// Metric handles, made once (labels are not rebuilt per checkpoint).
+struct CoordinatorMetrics {
+    completed: metrics::Counter,
+    last_completed: metrics::Gauge,
+    duration: metrics::Histogram,
+}
+
+impl CoordinatorMetrics {
+    fn new(job: &JobId) -> Self {
+        let labels = [("job", job.to_string())];
+        CoordinatorMetrics {
+            completed: metrics::counter!("tinyflow_checkpoints_completed_total", &labels),
+            last_completed: metrics::gauge!("tinyflow_last_completed_checkpoint", &labels),
+            duration: metrics::histogram!("tinyflow_checkpoint_duration_seconds", &labels),
+        }
+    }
+}
+
+impl std::fmt::Debug for CoordinatorMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CoordinatorMetrics")
+    }
 }
 
 impl Coordinator {
@@ -184,6 +209,7 @@ impl Coordinator {
         start: Instant,
     ) -> Self {
         let next_slot = config.interval.map(|i| start + i);
+        let metrics = CoordinatorMetrics::new(&job_id);
         Coordinator {
             job_id,
             config,
@@ -198,6 +224,7 @@ impl Coordinator {
             consecutive_failures: 0,
             phase: Phase::Running,
             waiting_for_start: false,
+            metrics,
         }
     }
 
@@ -467,12 +494,10 @@ impl Coordinator {
             is_final = p.is_final,
             "checkpoint completed"
         );
-        let job = self.job_id.to_string();
-        metrics::counter!("tinyflow_checkpoints_completed_total", "job" => job.clone())
-            .increment(1);
-        metrics::gauge!("tinyflow_last_completed_checkpoint", "job" => job.clone())
-            .set(id.get() as f64);
-        metrics::histogram!("tinyflow_checkpoint_duration_seconds", "job" => job)
+        self.metrics.completed.increment(1);
+        self.metrics.last_completed.set(id.get() as f64);
+        self.metrics
+            .duration
             .record(now.wall_ms.saturating_sub(p.triggered_at_ms) as f64 / 1000.0);
         for task in self.tasks.keys() {
             out.push(Action::Send {
