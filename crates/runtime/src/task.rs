@@ -383,6 +383,11 @@ pub(crate) async fn run_source(
                     records += batch.len() as u64;
                     head.records_out.increment(batch.len() as u64);
                     chain.push(&mut io, Emitted::Batch(batch)).await?;
+                    // A source that always has data, chained to a sink that
+                    // never waits, would otherwise never yield: the driver
+                    // (and its checkpoint timer) would starve on a
+                    // current-thread runtime, or on a busy worker.
+                    tokio::task::consume_budget().await;
                 }
                 None => {
                     ended = true;
