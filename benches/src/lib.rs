@@ -2,6 +2,9 @@
 //! generator, checkpoints of a stated size, and [`AckRounds`], which drives
 //! the pure [`Coordinator`] through whole checkpoints on a hand-made clock, so
 //! every run measures the same work and no runtime or real time is involved.
+//! [`pipeline`] holds in-memory sources, sinks and a checkpoint store for the
+//! benchmarks that run whole jobs (the runtime bench and the `nexmark` bench
+//! binary).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,6 +14,8 @@ use tinyflow_api::{
 };
 use tinyflow_checkpoint::{Action, CheckpointConfig, Coordinator, Event, Now};
 use tokio::time::Instant;
+
+pub mod pipeline;
 
 /// Seed of every generated input.
 pub const SEED: u64 = 0x7469_6E79_666C_6F77; // "tinyflow"
