@@ -134,7 +134,9 @@ async fn replay_from_checkpoint_offsets_has_no_duplicate_and_no_gap() {
     )
     .await
     .unwrap();
-    assert_eq!(attempts, 3);
+    // Two injected panics: two failed attempts, or one when the second
+    // fires in the other subtask before the first failure stops it.
+    assert!((2..=3).contains(&attempts), "{attempts} attempts");
     assert_eq!(sorted(sink.committed()), (0..3_000).collect::<Vec<_>>());
     // Offsets reached the consumer group after the final checkpoint (for lag
     // monitoring), one per partition: 750 records each.
