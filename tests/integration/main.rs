@@ -31,7 +31,7 @@ mod runtime_exactly_once;
 mod runtime_metrics;
 mod runtime_windows;
 
-// No test installs a global tracing subscriber: a global one with its own
-// level filter lowers tracing's process-wide level hint and hides events
-// from the test that captures them with a scoped subscriber
-// (`checkpoint_flaws::flaw_10_...`).
+// Only `checkpoint_flaws::traced_events` installs a global tracing
+// subscriber, filtered to INFO and above of the checkpoint crate: a second
+// global one would fail to install, and a scoped one can miss events (tracing
+// caches per call site whether anyone listens).
