@@ -6,7 +6,6 @@
 //! [`ErasedSink`]), which the runtime drives with [`AnyBatch`]es.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
@@ -317,10 +316,4 @@ pub(crate) fn downcast<T: Data>(batch: AnyBatch, name: &str) -> StreamResult<Vec
             expected: std::any::type_name::<T>(),
             found: b.type_name(),
         })
-}
-
-impl fmt::Debug for dyn Operator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Operator")
-    }
 }

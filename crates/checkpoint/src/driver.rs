@@ -497,14 +497,6 @@ impl CoordinatorDriver {
         }
     }
 
-    /// Messages queued for `task` and not yet in its channel (for tests of
-    /// the outbox bound).
-    pub fn queued_for(&self, task: TaskId) -> usize {
-        self.links
-            .get(&task)
-            .map_or(0, |l| l.outbox.len() + usize::from(l.sending))
-    }
-
     /// The coordinator's phase.
     pub fn phase(&self) -> Phase {
         self.core.phase()

@@ -58,11 +58,6 @@ pub(crate) struct Output {
     pub(crate) next: usize,
 }
 
-/// The receiving end of the job: every channel closed means the attempt is
-/// being torn down.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Disconnected;
-
 /// Identity and plumbing shared by every kind of task.
 pub(crate) struct TaskIo {
     pub(crate) id: TaskId,
@@ -340,12 +335,6 @@ pub(crate) enum TaskError {
 impl From<tinyflow_api::StreamError> for TaskError {
     fn from(e: tinyflow_api::StreamError) -> Self {
         TaskError::Failed(e)
-    }
-}
-
-impl From<Disconnected> for TaskError {
-    fn from(_: Disconnected) -> Self {
-        TaskError::Gone
     }
 }
 
