@@ -23,11 +23,11 @@ use std::marker::PhantomData;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::operator::{TypedSinkFactory, TypedSourceFactory, downcast};
+use crate::operator::{TypedSinkFactory, TypedSourceFactory, TypedWriterFactory, downcast};
 use crate::{
-    AnyBatch, Collector, Data, ErasedSinkFactory, ErasedSourceFactory, JobId, Key, Operator,
-    OperatorContext, OperatorFactory, OperatorState, SinkFactory, SourceFactory, StateValue,
-    StreamError, StreamResult, key_group, owner_of_group,
+    AnyBatch, Collector, Data, ErasedSinkFactory, ErasedSourceFactory, ErasedWriterFactory, JobId,
+    Key, Operator, OperatorContext, OperatorFactory, OperatorState, SinkFactory, SourceFactory,
+    StateValue, StreamError, StreamResult, key_group, owner_of_group,
 };
 
 /// Index of a node in a [`JobGraph`].
@@ -64,6 +64,7 @@ impl fmt::Debug for Node {
             NodeKind::Source(_) => "source",
             NodeKind::Operator(_) => "operator",
             NodeKind::Sink(_) => "sink",
+            NodeKind::Writer(_) => "writer",
         };
         write!(f, "{kind} {:?} x{}", self.name, self.parallelism)
     }
@@ -81,6 +82,10 @@ pub enum NodeKind {
     Operator(Box<dyn OperatorFactory>),
     /// Writes to outside with two-phase commit.
     Sink(Box<dyn ErasedSinkFactory>),
+    /// Writes in parallel and sends what it wrote (committables) downstream
+    /// on every barrier, before the barrier: the first stage of a sink whose
+    /// committer is the next node.
+    Writer(Box<dyn ErasedWriterFactory>),
 }
 
 /// How records move from the subtasks of one node to those of the next.
@@ -419,6 +424,30 @@ impl<T: Data> Stream<T> {
         KeyedStream {
             stream: self,
             key: Arc::new(key),
+        }
+    }
+
+    /// Adds a parallel [`crate::Writer`] with `parallelism` subtasks: it
+    /// writes this stream's records and, on every barrier, sends its
+    /// committables (`C`) downstream, typically to a committer sink of
+    /// parallelism 1. The writer never shares a task with the next node.
+    pub fn write<C: Data>(
+        self,
+        name: &str,
+        parallelism: usize,
+        factory: impl crate::WriterFactory<T, C> + 'static,
+    ) -> Stream<C> {
+        let kind = NodeKind::Writer(Box::new(TypedWriterFactory(factory, PhantomData)));
+        let node = add_node(&self.graph, name, parallelism, kind);
+        self.graph
+            .borrow_mut()
+            .edges
+            .push((self.node, node, self.next));
+        Stream {
+            graph: self.graph,
+            node,
+            next: None,
+            _t: PhantomData,
         }
     }
 

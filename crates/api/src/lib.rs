@@ -50,8 +50,8 @@ pub use job::{
     Stream,
 };
 pub use operator::{
-    Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory, Operator,
-    OperatorContext, OperatorFactory, OperatorState, Sink, SinkFactory, SinkRestore, Source,
-    SourceFactory,
+    Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory,
+    ErasedWriter, ErasedWriterFactory, Operator, OperatorContext, OperatorFactory, OperatorState,
+    Sink, SinkFactory, SinkRestore, Source, SourceFactory, Writer, WriterFactory,
 };
 pub use window::{TumblingWindows, Window, WindowOutput, WindowedStream};

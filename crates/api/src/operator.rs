@@ -153,6 +153,10 @@ pub trait Sink<T: Data>: Send {
     /// Checkpoint `id` is durable: commit everything staged under ids up to
     /// and including `id`. Must be idempotent by checkpoint id.
     async fn commit(&mut self, id: CheckpointId) -> StreamResult<()>;
+
+    /// The combined watermark of the inputs advanced: every record with an
+    /// earlier event time has been written. The default ignores it.
+    fn on_watermark(&mut self, _watermark: i64) {}
 }
 
 /// What a restored sink gets: the checkpoint and every subtask's staged work.
@@ -181,6 +185,89 @@ pub trait SinkFactory<T: Data>: Send + Sync {
     /// (a counter, a log) may run with checkpointing off.
     fn is_transactional(&self) -> bool {
         true
+    }
+
+    /// The highest checkpoint id this sink has committed for good, read from
+    /// its target (e.g. an Iceberg table's properties) before the job starts.
+    /// The job's next checkpoint id is above it, so a wiped checkpoint store
+    /// cannot make new data look committed already.
+    async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
+        Ok(None)
+    }
+}
+
+/// A parallel writer in front of a committer: the first stage of a sink
+/// that writes in parallel and commits in one place (e.g. Parquet files
+/// written by many subtasks, added to a table by one).
+///
+/// On each barrier the runtime calls [`Writer::flush`] and sends what it
+/// returns (the committables: e.g. file metadata) downstream before the
+/// barrier, so the committer stages them under that checkpoint. Nothing
+/// stays open across a barrier, so a writer has no state of its own:
+/// whatever it wrote after the last completed checkpoint is orphaned by a
+/// failure and never committed.
+#[async_trait::async_trait]
+pub trait Writer<T: Data, C: Data>: Send {
+    /// Writes records (invisible until committed downstream).
+    async fn write(&mut self, batch: Vec<T>) -> StreamResult<()>;
+
+    /// Barrier `id` arrived: close everything open and return the
+    /// committables of all that was written since the previous barrier.
+    async fn flush(&mut self, id: CheckpointId) -> StreamResult<Vec<C>>;
+}
+
+/// Creates a writer's instances.
+#[async_trait::async_trait]
+pub trait WriterFactory<T: Data, C: Data>: Send + Sync {
+    /// The instance for one subtask.
+    async fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Writer<T, C>>>;
+}
+
+/// [`Writer`] with the record types erased.
+#[async_trait::async_trait]
+pub trait ErasedWriter: Send {
+    /// See [`Writer::write`]; fails on a batch of another type.
+    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()>;
+    /// See [`Writer::flush`].
+    async fn flush(&mut self, id: CheckpointId) -> StreamResult<AnyBatch>;
+}
+
+/// [`WriterFactory`] with the record types erased.
+#[async_trait::async_trait]
+pub trait ErasedWriterFactory: Send + Sync {
+    /// See [`WriterFactory::create`].
+    async fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn ErasedWriter>>;
+}
+
+pub(crate) struct TypedWriter<T, C> {
+    pub(crate) inner: Box<dyn Writer<T, C>>,
+    pub(crate) name: String,
+}
+
+#[async_trait::async_trait]
+impl<T: Data, C: Data> ErasedWriter for TypedWriter<T, C> {
+    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()> {
+        let records = downcast::<T>(batch, &self.name)?;
+        self.inner.write(records).await
+    }
+
+    async fn flush(&mut self, id: CheckpointId) -> StreamResult<AnyBatch> {
+        Ok(AnyBatch::new(self.inner.flush(id).await?))
+    }
+}
+
+pub(crate) struct TypedWriterFactory<T, C, F>(
+    pub(crate) F,
+    pub(crate) std::marker::PhantomData<fn() -> (T, C)>,
+);
+
+#[async_trait::async_trait]
+impl<T: Data, C: Data, F: WriterFactory<T, C>> ErasedWriterFactory for TypedWriterFactory<T, C, F> {
+    async fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn ErasedWriter>> {
+        Ok(Box::new(TypedWriter {
+            inner: self.0.create(ctx).await?,
+            name: ctx.name.clone(),
+        }))
     }
 }
 
@@ -214,6 +301,8 @@ pub trait ErasedSink: Send {
     async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
     /// See [`Sink::commit`].
     async fn commit(&mut self, id: CheckpointId) -> StreamResult<()>;
+    /// See [`Sink::on_watermark`].
+    fn on_watermark(&mut self, watermark: i64);
 }
 
 /// [`SinkFactory`] with the record type erased.
@@ -228,6 +317,9 @@ pub trait ErasedSinkFactory: Send + Sync {
 
     /// See [`SinkFactory::is_transactional`].
     fn is_transactional(&self) -> bool;
+
+    /// See [`SinkFactory::last_committed`].
+    async fn last_committed(&self) -> StreamResult<Option<CheckpointId>>;
 }
 
 pub(crate) struct TypedSource<T>(pub(crate) Box<dyn Source<T>>);
@@ -281,6 +373,10 @@ impl<T: Data> ErasedSink for TypedSink<T> {
     async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {
         self.inner.commit(id).await
     }
+
+    fn on_watermark(&mut self, watermark: i64) {
+        self.inner.on_watermark(watermark);
+    }
 }
 
 pub(crate) struct TypedSinkFactory<T, F>(
@@ -304,6 +400,10 @@ impl<T: Data, F: SinkFactory<T>> ErasedSinkFactory for TypedSinkFactory<T, F> {
 
     fn is_transactional(&self) -> bool {
         self.0.is_transactional()
+    }
+
+    async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
+        self.0.last_committed().await
     }
 }
 

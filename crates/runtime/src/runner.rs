@@ -24,8 +24,8 @@ use tokio::task::JoinSet;
 
 use crate::state::RestorePlan;
 use crate::task::{
-    Chain, ChainOp, ChainSink, ChainSource, Message, Output, TaskError, TaskIo, TaskMetrics,
-    labels as task_labels, run_consumer, run_source,
+    Chain, ChainOp, ChainSink, ChainSource, ChainWriter, Message, Output, TaskError, TaskIo,
+    TaskMetrics, labels as task_labels, run_consumer, run_source,
 };
 use crate::{Error, RestartStrategy, Result};
 
@@ -147,6 +147,16 @@ impl JobRunner {
             .any(|n| matches!(&n.kind, NodeKind::Sink(f) if f.is_transactional()));
         // Registrations are queued before the driver runs.
         dc.inbound_capacity = dc.inbound_capacity.max(total + 16);
+        // Ids continue above whatever a sink committed already (a wiped
+        // checkpoint store must not make new data look committed).
+        for node in &g.nodes {
+            if let NodeKind::Sink(f) = &node.kind
+                && let Some(id) = f.last_committed().await?
+            {
+                tracing::info!(job = %g.job_id, sink = %node.name, committed = %id, "sink reports its last committed checkpoint");
+                dc.sinks_committed = Some(dc.sinks_committed.map_or(id, |c| c.max(id)));
+            }
+        }
         // Setting tasks up can take a while (a Kafka source fetches
         // metadata): no checkpoint until every task is registered.
         dc.wait_for_start = true;
@@ -264,7 +274,7 @@ impl JobRunner {
 
     /// Groups nodes into chains, head first: a forward edge from a node with
     /// one output to a node with one input joins them (sources only head a
-    /// chain, sinks only end one). With chaining off, every node is a chain.
+    /// chain, sinks and writers only end one). With chaining off, every node is a chain.
     fn chains(&self) -> Vec<Vec<NodeId>> {
         let g = &self.graph;
         let n = g.nodes.len();
@@ -279,7 +289,10 @@ impl JobRunner {
             let chainable = matches!(e.partitioning, Partitioning::Forward)
                 && outs[e.from] == 1
                 && ins[e.to] == 1
-                && !matches!(g.nodes[e.from].kind, NodeKind::Sink(_))
+                && !matches!(
+                    g.nodes[e.from].kind,
+                    NodeKind::Sink(_) | NodeKind::Writer(_)
+                )
                 && !matches!(g.nodes[e.to].kind, NodeKind::Source(_));
             if chainable {
                 next[e.from] = Some(e.to);
@@ -310,6 +323,7 @@ impl JobRunner {
         let mut body = Chain {
             ops: Vec::new(),
             sink: None,
+            writer: None,
         };
         for &ni in chain {
             let node = &g.nodes[ni];
@@ -341,6 +355,13 @@ impl JobRunner {
                     body.ops.push(ChainOp {
                         name: node.name.clone(),
                         op,
+                        records_in: metrics::counter!("tinyflow_records_in_total", &labels),
+                        records_out: metrics::counter!("tinyflow_records_out_total", &labels),
+                    });
+                }
+                NodeKind::Writer(f) => {
+                    body.writer = Some(ChainWriter {
+                        writer: f.create(&ctx).await?,
                         records_in: metrics::counter!("tinyflow_records_in_total", &labels),
                         records_out: metrics::counter!("tinyflow_records_out_total", &labels),
                     });

@@ -29,8 +29,8 @@ use std::future::poll_fn;
 use std::task::Poll;
 
 use tinyflow_api::{
-    AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, FromTask, Operator,
-    Partitioning, TaskId, ToTask,
+    AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, ErasedWriter, FromTask,
+    Operator, Partitioning, TaskId, ToTask,
 };
 use tinyflow_checkpoint::CoordinatorHandle;
 use tokio::sync::mpsc;
@@ -215,10 +215,19 @@ pub(crate) struct ChainSink {
     pub(crate) records_in: metrics::Counter,
 }
 
-/// The operators of a task, in order, and the sink that may end them.
+/// The writer ending a chain: its committables go downstream.
+pub(crate) struct ChainWriter {
+    pub(crate) writer: Box<dyn ErasedWriter>,
+    pub(crate) records_in: metrics::Counter,
+    pub(crate) records_out: metrics::Counter,
+}
+
+/// The operators of a task, in order, and the sink or writer that may end
+/// them (never both).
 pub(crate) struct Chain {
     pub(crate) ops: Vec<ChainOp>,
     pub(crate) sink: Option<ChainSink>,
+    pub(crate) writer: Option<ChainWriter>,
 }
 
 impl Chain {
@@ -254,14 +263,18 @@ impl Chain {
     /// Hands what left the operators to the sink, or downstream.
     async fn deliver(&mut self, io: &mut TaskIo, items: Vec<Emitted>) -> Result<(), TaskError> {
         for item in items {
-            match (item, &mut self.sink) {
-                (Emitted::Batch(b), Some(s)) => {
+            match (item, &mut self.sink, &mut self.writer) {
+                (Emitted::Batch(b), Some(s), _) => {
                     s.records_in.increment(b.len() as u64);
                     s.sink.write(b).await?;
                 }
-                (Emitted::Watermark(_), Some(_)) => {}
-                (Emitted::Batch(b), None) => io.emit(b).await?,
-                (Emitted::Watermark(w), None) => io.broadcast(|| Message::Watermark(w)).await?,
+                (Emitted::Watermark(w), Some(s), _) => s.sink.on_watermark(w),
+                (Emitted::Batch(b), None, Some(w)) => {
+                    w.records_in.increment(b.len() as u64);
+                    w.writer.write(b).await?;
+                }
+                (Emitted::Batch(b), None, None) => io.emit(b).await?,
+                (Emitted::Watermark(w), None, _) => io.broadcast(|| Message::Watermark(w)).await?,
             }
         }
         Ok(())
@@ -303,6 +316,15 @@ impl Chain {
     ) -> Result<(), TaskError> {
         for op in &mut self.ops {
             states.push((op.name.clone(), NodeState::Operator(op.op.snapshot()?)));
+        }
+        if let Some(w) = &mut self.writer {
+            // The committables go before the barrier: the committer stages
+            // them under `id`.
+            let committables = w.writer.flush(id).await?;
+            w.records_out.increment(committables.len() as u64);
+            if !committables.is_empty() {
+                io.emit(committables).await?;
+            }
         }
         match &mut self.sink {
             Some(s) => states.push((
