@@ -8,6 +8,9 @@
 //!   reference model, checking the exactly-once invariants after every step.
 //! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
 //!   retention, id continuity.
+//! - `iceberg_sink`: the Iceberg sink on a sqlite catalog: crashes at every step of the commit,
+//!   two sinks on one table, snapshot expiry, cadence, open-file cap, orphans; whole jobs
+//!   with failures, read back by pyiceberg.
 //! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
 //!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
@@ -26,6 +29,7 @@ mod checkpoint_driver;
 mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
+mod iceberg_sink;
 mod kafka_source;
 mod runtime_exactly_once;
 mod runtime_metrics;

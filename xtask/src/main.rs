@@ -3,10 +3,13 @@
 //! - `ci`: everything CI checks, in order: formatting, clippy with warnings
 //!   denied, all tests (unit, integration, property, doc; benches run once in
 //!   test mode, so they are compiled and exercised) with a real Kafka broker
-//!   started for them and stopped after, docs with warnings denied.
+//!   started for them and stopped after, pyiceberg installed for them, docs
+//!   with warnings denied.
 //! - `demo`: the runnable demo of what tinyflow does so far.
 //! - `kafka start|stop|status`: a real Apache Kafka broker on loopback for
 //!   integration tests (see `kafka.rs`).
+//! - `py-setup`: pyiceberg in `target/pyiceberg-venv`, the independent
+//!   reader of the Iceberg tests (see `python.rs`).
 //!
 //! Each step prints what it runs and how long it took; the first failure
 //! stops the run with the step named.
@@ -24,12 +27,14 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 mod kafka;
+mod python;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("kafka") => kafka::main(&args[1..]),
+        Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
         Some("demo") => run(
             "demo",
             cargo(&[
@@ -47,6 +52,7 @@ fn main() -> Result<()> {
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
             eprintln!("  kafka start|stop|status [--port N]: a local Kafka broker for tests");
+            eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
             bail!("unknown or missing command {:?}", args.first());
         }
     }
@@ -74,13 +80,16 @@ fn ci() -> Result<()> {
         ]),
     )?;
     let mut counts = TestCounts::default();
+    // The Iceberg tests read tables back with pyiceberg.
+    let python = python::setup()?;
     // Integration tests read and write a real Kafka broker; it stops when
     // `broker` is dropped, also when a step fails.
     let broker = kafka::CiBroker::start()?;
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
-            .env("KAFKA_BOOTSTRAP", &broker.bootstrap),
+            .env("KAFKA_BOOTSTRAP", &broker.bootstrap)
+            .env("TINYFLOW_PYTHON", &python),
         &mut counts,
     )?;
     drop(broker);

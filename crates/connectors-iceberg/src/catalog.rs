@@ -1,0 +1,654 @@
+//! Opening the catalog, finding or creating the table, reading what a sink
+//! committed, and the catalog wrapper that runs the "already committed?"
+//! check inside every commit attempt.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use futures_util::future::BoxFuture;
+use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
+use iceberg::table::Table;
+use iceberg::{
+    Catalog, CatalogBuilder, ErrorKind, Namespace, NamespaceIdent, TableCommit, TableCreation,
+    TableIdent,
+};
+use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
+use tinyflow_api::{CheckpointId, StreamError, StreamResult};
+use tokio::sync::OnceCell;
+
+use crate::config::{
+    CatalogConfig, ColumnType, CommitStep, Fault, FaultHook, IcebergSinkConfig, TableSpec,
+};
+
+/// Snapshot summary key: the sink that committed the snapshot.
+pub const SUMMARY_SINK_ID: &str = "tinyflow.sink-id";
+/// Snapshot summary key: the checkpoint id the snapshot commits up to.
+pub const SUMMARY_CHECKPOINT_ID: &str = "tinyflow.checkpoint-id";
+/// Snapshot summary key: the event-time watermark (ms since the epoch) the
+/// committed data is complete up to.
+pub const SUMMARY_WATERMARK: &str = "tinyflow.watermark";
+
+pub(crate) fn external(
+    operator: &str,
+    action: impl Into<String>,
+    e: &iceberg::Error,
+) -> StreamError {
+    StreamError::External {
+        operator: operator.to_owned(),
+        system: "iceberg",
+        action: action.into(),
+        message: e.to_string(),
+        retryable: e.retryable(),
+    }
+}
+
+/// Opens the configured catalog; no answer within `timeout` counts as
+/// unreachable (retryable).
+pub async fn open_catalog(
+    config: &CatalogConfig,
+    timeout: std::time::Duration,
+) -> StreamResult<Arc<dyn Catalog>> {
+    match tokio::time::timeout(timeout, open(config)).await {
+        Ok(opened) => opened,
+        Err(_) => Err(StreamError::External {
+            operator: "iceberg".to_owned(),
+            system: "iceberg",
+            action: format!("opening the {}", config.describe()),
+            message: format!("no answer within {timeout:?}"),
+            retryable: true,
+        }),
+    }
+}
+
+async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
+    let storage = Arc::new(iceberg::io::LocalFsStorageFactory);
+    if let Some(dir) = config.warehouse().strip_prefix("file://") {
+        std::fs::create_dir_all(dir).map_err(|source| StreamError::Io {
+            action: "creating the warehouse directory",
+            path: dir.into(),
+            source,
+        })?;
+    }
+    let opened: iceberg::Result<Arc<dyn Catalog>> = match config {
+        CatalogConfig::Sql {
+            name,
+            uri,
+            warehouse,
+            properties,
+        } => {
+            if let Some(path) = uri.strip_prefix("sqlite:") {
+                let file = path.split('?').next().unwrap_or(path);
+                if let Some(parent) = std::path::Path::new(file).parent()
+                    && !parent.as_os_str().is_empty()
+                {
+                    std::fs::create_dir_all(parent).map_err(|source| StreamError::Io {
+                        action: "creating the catalog directory",
+                        path: parent.into(),
+                        source,
+                    })?;
+                }
+            }
+            let bind = if uri.starts_with("sqlite:") {
+                SqlBindStyle::QMark
+            } else {
+                SqlBindStyle::DollarNumeric
+            };
+            SqlCatalogBuilder::default()
+                .uri(uri.clone())
+                .warehouse_location(warehouse.clone())
+                .sql_bind_style(bind)
+                .props(properties.clone())
+                .with_storage_factory(storage)
+                .load(name.clone(), HashMap::new())
+                .await
+                .map(|c| Arc::new(c) as Arc<dyn Catalog>)
+        }
+        CatalogConfig::Memory { name, warehouse } => {
+            iceberg::memory::MemoryCatalogBuilder::default()
+                .with_storage_factory(storage)
+                .load(
+                    name.clone(),
+                    HashMap::from([(
+                        iceberg::memory::MEMORY_CATALOG_WAREHOUSE.to_owned(),
+                        warehouse.clone(),
+                    )]),
+                )
+                .await
+                .map(|c| Arc::new(c) as Arc<dyn Catalog>)
+        }
+    };
+    opened.map_err(|e| StreamError::External {
+        operator: "iceberg".to_owned(),
+        system: "iceberg",
+        action: format!("opening the {}", config.describe()),
+        message: e.to_string(),
+        retryable: true,
+    })
+}
+
+/// A sink's catalog, opened once and shared by its writers and committer,
+/// and its table, created once when missing.
+pub(crate) struct SinkTable {
+    pub(crate) config: IcebergSinkConfig,
+    pub(crate) ident: TableIdent,
+    catalog: OnceCell<Arc<dyn Catalog>>,
+    ensured: OnceCell<()>,
+}
+
+impl SinkTable {
+    pub(crate) fn new(config: IcebergSinkConfig) -> StreamResult<Self> {
+        config.validate()?;
+        let ns = NamespaceIdent::from_vec(config.namespace.clone()).map_err(|e| {
+            StreamError::Config {
+                key: "sink.namespace",
+                message: e.to_string(),
+            }
+        })?;
+        let ident = TableIdent::new(ns, config.table.clone());
+        Ok(SinkTable {
+            config,
+            ident,
+            catalog: OnceCell::new(),
+            ensured: OnceCell::new(),
+        })
+    }
+
+    pub(crate) fn label(&self) -> String {
+        format!(
+            "iceberg sink {} ({})",
+            self.config.sink_id,
+            self.table_name()
+        )
+    }
+
+    pub(crate) fn table_name(&self) -> String {
+        format!(
+            "{}.{}",
+            self.ident.namespace().to_url_string(),
+            self.ident.name()
+        )
+    }
+
+    pub(crate) async fn catalog(&self) -> StreamResult<&Arc<dyn Catalog>> {
+        self.catalog
+            .get_or_try_init(|| open_catalog(&self.config.catalog, self.config.connect_timeout))
+            .await
+    }
+
+    /// The table as the catalog has it now; created on first use when
+    /// missing and a spec is declared, and checked against the spec.
+    pub(crate) async fn load(&self) -> StreamResult<Table> {
+        let catalog = self.catalog().await?;
+        self.ensured
+            .get_or_try_init(|| async {
+                let table = ensure_table(catalog.as_ref(), &self.ident, &self.config).await?;
+                if let Some(spec) = &self.config.table_spec {
+                    check_fits(spec, table.metadata().current_schema(), &self.table_name())?;
+                }
+                Ok::<(), StreamError>(())
+            })
+            .await?;
+        catalog
+            .load_table(&self.ident)
+            .await
+            .map_err(|e| external(&self.label(), "loading the table", &e))
+    }
+
+    /// The highest checkpoint id this sink committed to the table.
+    pub(crate) async fn committed(&self) -> StreamResult<Option<CheckpointId>> {
+        let table = self.load().await?;
+        Ok(committed_id(&table, &self.config.sink_id).map(CheckpointId::new))
+    }
+}
+
+/// The highest checkpoint id `sink_id` committed to `table`: the larger of
+/// the table property (which survives snapshot expiry) and the newest
+/// snapshot of the sink in the current branch's history.
+pub fn committed_id(table: &Table, sink_id: &str) -> Option<u64> {
+    let metadata = table.metadata();
+    let from_property = metadata
+        .properties()
+        .get(&format!("tinyflow.sink.{sink_id}.checkpoint-id"))
+        .and_then(|v| v.parse::<u64>().ok());
+    let mut from_history = None;
+    let mut next = metadata.current_snapshot().cloned();
+    while let Some(snapshot) = next {
+        let props = &snapshot.summary().additional_properties;
+        if props.get(SUMMARY_SINK_ID).map(String::as_str) == Some(sink_id) {
+            from_history = props
+                .get(SUMMARY_CHECKPOINT_ID)
+                .and_then(|v| v.parse::<u64>().ok());
+            break;
+        }
+        next = snapshot
+            .parent_snapshot_id()
+            .and_then(|id| metadata.snapshot_by_id(id).cloned());
+    }
+    from_property.max(from_history)
+}
+
+fn iceberg_type(ty: ColumnType) -> Type {
+    Type::Primitive(match ty {
+        ColumnType::Boolean => PrimitiveType::Boolean,
+        ColumnType::Int => PrimitiveType::Int,
+        ColumnType::Long => PrimitiveType::Long,
+        ColumnType::Float => PrimitiveType::Float,
+        ColumnType::Double => PrimitiveType::Double,
+        ColumnType::String => PrimitiveType::String,
+        ColumnType::Binary => PrimitiveType::Binary,
+        ColumnType::Date => PrimitiveType::Date,
+        ColumnType::Timestamp => PrimitiveType::Timestamp,
+        ColumnType::Timestamptz => PrimitiveType::Timestamptz,
+        ColumnType::Decimal { precision, scale } => PrimitiveType::Decimal { precision, scale },
+    })
+}
+
+/// The Iceberg schema of a declared table (field ids from 1).
+pub fn iceberg_schema(spec: &TableSpec) -> StreamResult<Schema> {
+    let fields = spec.columns.iter().enumerate().map(|(i, c)| {
+        let id = i as i32 + 1;
+        let ty = iceberg_type(c.ty);
+        Arc::new(if c.required {
+            NestedField::required(id, &c.name, ty)
+        } else {
+            NestedField::optional(id, &c.name, ty)
+        })
+    });
+    Schema::builder()
+        .with_schema_id(0)
+        .with_fields(fields)
+        .build()
+        .map_err(|e| StreamError::Config {
+            key: "sink.schema",
+            message: e.to_string(),
+        })
+}
+
+fn partition_spec(spec: &TableSpec, schema: &Schema) -> StreamResult<UnboundPartitionSpec> {
+    let mut builder = UnboundPartitionSpec::builder().with_spec_id(0);
+    for p in &spec.partition {
+        let bad = |message: String| StreamError::Config {
+            key: "sink.partition",
+            message,
+        };
+        let field = schema
+            .field_by_name(&p.column)
+            .ok_or_else(|| bad(format!("`{}` is not a column", p.column)))?;
+        let transform = Transform::from_str(&p.transform)
+            .map_err(|e| bad(format!("`{}`: {e}", p.transform)))?;
+        let name = match transform {
+            Transform::Identity => p.column.clone(),
+            Transform::Bucket(n) => format!("{}_bucket_{n}", p.column),
+            Transform::Truncate(w) => format!("{}_trunc_{w}", p.column),
+            other => format!("{}_{}", p.column, other.to_string().to_lowercase()),
+        };
+        builder = builder
+            .add_partition_field(field.id, name, transform)
+            .map_err(|e| bad(format!("`{}` by {}: {e}", p.column, p.transform)))?;
+    }
+    Ok(builder.build())
+}
+
+/// Loads the table, creating it (and its namespace) from the declared spec
+/// when missing.
+async fn ensure_table(
+    catalog: &dyn Catalog,
+    ident: &TableIdent,
+    config: &IcebergSinkConfig,
+) -> StreamResult<Table> {
+    let what = format!("{}.{}", ident.namespace().to_url_string(), ident.name());
+    let label = format!("iceberg sink {}", config.sink_id);
+    let exists = catalog
+        .table_exists(ident)
+        .await
+        .map_err(|e| external(&label, format!("looking up table {what}"), &e))?;
+    if exists {
+        return catalog
+            .load_table(ident)
+            .await
+            .map_err(|e| external(&label, format!("loading table {what}"), &e));
+    }
+    let Some(spec) = &config.table_spec else {
+        return Err(StreamError::Config {
+            key: "sink.table",
+            message: format!(
+                "table {what} does not exist in the {} and no schema is declared to create it",
+                config.catalog.describe()
+            ),
+        });
+    };
+    let schema = iceberg_schema(spec)?;
+    let partition = partition_spec(spec, &schema)?;
+    let ns = ident.namespace();
+    if !catalog
+        .namespace_exists(ns)
+        .await
+        .map_err(|e| external(&label, "looking up the namespace", &e))?
+    {
+        match catalog.create_namespace(ns, HashMap::new()).await {
+            Ok(Namespace { .. }) => {}
+            Err(e) if e.kind() == ErrorKind::NamespaceAlreadyExists => {}
+            Err(e) => return Err(external(&label, "creating the namespace", &e)),
+        }
+    }
+    let creation = TableCreation::builder()
+        .name(ident.name().to_owned())
+        .schema(schema)
+        .partition_spec(partition)
+        .properties([(
+            "write.parquet.compression-codec".to_owned(),
+            "zstd".to_owned(),
+        )])
+        .build();
+    match catalog.create_table(ns, creation).await {
+        Ok(t) => {
+            tracing::info!(table = %what, sink = %config.sink_id, "created table");
+            Ok(t)
+        }
+        // Another sink created it meanwhile.
+        Err(e) if e.kind() == ErrorKind::TableAlreadyExists => catalog
+            .load_table(ident)
+            .await
+            .map_err(|e| external(&label, format!("loading table {what}"), &e)),
+        Err(e) => Err(external(&label, format!("creating table {what}"), &e)),
+    }
+}
+
+/// Checks that the declared columns fit the table's schema; the error
+/// names the first column that does not.
+fn check_fits(spec: &TableSpec, schema: &Schema, table: &str) -> StreamResult<()> {
+    for c in &spec.columns {
+        let bad = |message: String| StreamError::Config {
+            key: "sink.schema",
+            message: format!("column `{}` does not fit table {table}: {message}", c.name),
+        };
+        let Some(field) = schema.field_by_name(&c.name) else {
+            return Err(bad("the table has no such column".to_owned()));
+        };
+        let declared = iceberg_type(c.ty);
+        if *field.field_type != declared {
+            return Err(bad(format!(
+                "declared {declared}, the table has {}",
+                field.field_type
+            )));
+        }
+        if field.required && !c.required {
+            return Err(bad(
+                "declared optional, the table requires a value".to_owned()
+            ));
+        }
+    }
+    for field in schema.as_struct().fields() {
+        if field.required && !spec.columns.iter().any(|c| c.name == field.name) {
+            return Err(StreamError::Config {
+                key: "sink.schema",
+                message: format!(
+                    "table {table} requires column `{}`, which is not declared",
+                    field.name
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What the guard saw on the table refreshed for a commit attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Observed {
+    /// The sink already committed up to here, at or above the target: the
+    /// commit is done.
+    AlreadyCommitted(u64),
+    /// The sink committed up to here, inside the pending range: drop the
+    /// pending checkpoints up to it and commit the rest.
+    Partly(u64),
+    /// A fault hook crashed the commit.
+    Crashed,
+}
+
+/// A catalog that runs the "already committed?" check on the table each
+/// commit attempt is built on.
+///
+/// `Transaction::commit` reloads the table through `load_table`, re-applies
+/// its actions on it and sends the result to `update_table` with the
+/// requirement that the branch head is still the one it reloaded; a conflict
+/// repeats all of that. Checking the sink's committed id on exactly that
+/// reloaded table means no attempt, first or retried, can append a
+/// checkpoint the table already holds: anything committed after the check
+/// moves the head and fails the requirement.
+pub(crate) struct GuardedCatalog<'a> {
+    pub(crate) inner: &'a dyn Catalog,
+    pub(crate) sink_id: &'a str,
+    /// The lowest and highest checkpoint ids of this commit.
+    pub(crate) range: (u64, u64),
+    pub(crate) hook: Option<&'a FaultHook>,
+    pub(crate) observed: Mutex<Option<Observed>>,
+    pub(crate) attempts: std::sync::atomic::AtomicU32,
+}
+
+impl std::fmt::Debug for GuardedCatalog<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuardedCatalog")
+            .field("sink_id", &self.sink_id)
+            .field("range", &self.range)
+            .finish()
+    }
+}
+
+impl<'a> GuardedCatalog<'a> {
+    pub(crate) fn new(
+        inner: &'a dyn Catalog,
+        sink_id: &'a str,
+        range: (u64, u64),
+        hook: Option<&'a FaultHook>,
+    ) -> Self {
+        GuardedCatalog {
+            inner,
+            sink_id,
+            range,
+            hook,
+            observed: Mutex::new(None),
+            attempts: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
+    pub(crate) fn observed(&self) -> Option<Observed> {
+        *self
+            .observed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn stop(&self, seen: Observed, message: String) -> iceberg::Error {
+        *self
+            .observed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(seen);
+        iceberg::Error::new(ErrorKind::PreconditionFailed, message).with_retryable(false)
+    }
+
+    async fn fault(&self, step: CommitStep) -> Fault {
+        match self.hook {
+            Some(hook) => hook(step).await,
+            None => Fault::Proceed,
+        }
+    }
+
+    fn attempt(&self) -> u32 {
+        self.attempts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+fn boxed<'a, T: Send + 'a>(
+    f: impl std::future::Future<Output = T> + Send + 'a,
+) -> BoxFuture<'a, T> {
+    Box::pin(f)
+}
+
+#[async_trait::async_trait]
+impl Catalog for GuardedCatalog<'_> {
+    async fn list_namespaces(
+        &self,
+        parent: Option<&NamespaceIdent>,
+    ) -> iceberg::Result<Vec<NamespaceIdent>> {
+        self.inner.list_namespaces(parent).await
+    }
+
+    async fn create_namespace(
+        &self,
+        namespace: &NamespaceIdent,
+        properties: HashMap<String, String>,
+    ) -> iceberg::Result<Namespace> {
+        self.inner.create_namespace(namespace, properties).await
+    }
+
+    async fn get_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<Namespace> {
+        self.inner.get_namespace(namespace).await
+    }
+
+    async fn namespace_exists(&self, namespace: &NamespaceIdent) -> iceberg::Result<bool> {
+        self.inner.namespace_exists(namespace).await
+    }
+
+    async fn update_namespace(
+        &self,
+        namespace: &NamespaceIdent,
+        properties: HashMap<String, String>,
+    ) -> iceberg::Result<()> {
+        self.inner.update_namespace(namespace, properties).await
+    }
+
+    async fn drop_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<()> {
+        self.inner.drop_namespace(namespace).await
+    }
+
+    async fn list_tables(&self, namespace: &NamespaceIdent) -> iceberg::Result<Vec<TableIdent>> {
+        self.inner.list_tables(namespace).await
+    }
+
+    async fn create_table(
+        &self,
+        namespace: &NamespaceIdent,
+        creation: TableCreation,
+    ) -> iceberg::Result<Table> {
+        self.inner.create_table(namespace, creation).await
+    }
+
+    /// The refresh of a commit attempt: the dedupe check runs here.
+    async fn load_table(&self, ident: &TableIdent) -> iceberg::Result<Table> {
+        let table = self.inner.load_table(ident).await?;
+        let attempt = self.attempt();
+        if let Fault::Crash(why) = boxed(self.fault(CommitStep::Refreshed { attempt })).await {
+            return Err(self.stop(Observed::Crashed, why));
+        }
+        let (low, high) = self.range;
+        match committed_id(&table, self.sink_id) {
+            Some(c) if c >= high => Err(self.stop(
+                Observed::AlreadyCommitted(c),
+                format!(
+                    "sink {} already committed checkpoint {c} >= {high}",
+                    self.sink_id
+                ),
+            )),
+            Some(c) if c >= low => Err(self.stop(
+                Observed::Partly(c),
+                format!(
+                    "sink {} already committed checkpoint {c}, inside {low}..={high}",
+                    self.sink_id
+                ),
+            )),
+            _ => Ok(table),
+        }
+    }
+
+    async fn drop_table(&self, table: &TableIdent) -> iceberg::Result<()> {
+        self.inner.drop_table(table).await
+    }
+
+    async fn purge_table(&self, table: &TableIdent) -> iceberg::Result<()> {
+        self.inner.purge_table(table).await
+    }
+
+    async fn table_exists(&self, table: &TableIdent) -> iceberg::Result<bool> {
+        self.inner.table_exists(table).await
+    }
+
+    async fn rename_table(&self, src: &TableIdent, dest: &TableIdent) -> iceberg::Result<()> {
+        self.inner.rename_table(src, dest).await
+    }
+
+    async fn register_table(
+        &self,
+        table: &TableIdent,
+        metadata_location: String,
+    ) -> iceberg::Result<Table> {
+        self.inner.register_table(table, metadata_location).await
+    }
+
+    async fn update_table(&self, commit: TableCommit) -> iceberg::Result<Table> {
+        let attempt = self
+            .attempts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if let Fault::Crash(why) = boxed(self.fault(CommitStep::BeforeUpdate { attempt })).await {
+            return Err(self.stop(Observed::Crashed, why));
+        }
+        let table = self.inner.update_table(commit).await?;
+        match boxed(self.fault(CommitStep::AfterUpdate { attempt })).await {
+            Fault::Proceed => Ok(table),
+            Fault::Crash(why) => Err(self.stop(Observed::Crashed, why)),
+            Fault::LoseResponse => Err(iceberg::Error::new(
+                ErrorKind::CatalogCommitConflicts,
+                "injected: the catalog's answer was lost",
+            )
+            .with_retryable(true)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Column, PartitionField};
+
+    #[test]
+    fn a_declared_column_of_another_type_is_named() {
+        let table = TableSpec {
+            columns: vec![
+                Column::required("id", ColumnType::Long),
+                Column::optional("price", ColumnType::Double),
+            ],
+            partition: vec![PartitionField::new("id", "bucket[4]")],
+        };
+        let schema = iceberg_schema(&table).unwrap();
+        let declared = TableSpec {
+            columns: vec![
+                Column::required("id", ColumnType::Long),
+                Column::optional(
+                    "price",
+                    ColumnType::Decimal {
+                        precision: 10,
+                        scale: 2,
+                    },
+                ),
+            ],
+            partition: vec![],
+        };
+        let err = check_fits(&declared, &schema, "db.t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`price`") && err.contains("decimal(10, 2)"),
+            "{err}"
+        );
+        let missing = TableSpec {
+            columns: vec![Column::optional("price", ColumnType::Double)],
+            partition: vec![],
+        };
+        let err = check_fits(&missing, &schema, "db.t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("requires column `id`"), "{err}");
+        assert!(check_fits(&table, &schema, "db.t").is_ok());
+        assert_eq!(partition_spec(&table, &schema).unwrap().fields().len(), 1);
+    }
+}

@@ -1,0 +1,371 @@
+//! The committer: one subtask that keeps the writers' files by checkpoint id
+//! as its state and adds them to the table in one transaction per commit.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use iceberg::transaction::{ApplyTransactionAction, Transaction};
+use serde::{Deserialize, Serialize};
+use tinyflow_api::{
+    CheckpointId, OperatorContext, Sink, SinkFactory, SinkRestore, StreamError, StreamResult,
+};
+
+use crate::catalog::{
+    GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, SinkTable,
+    committed_id, external,
+};
+use crate::writer::DataFileMeta;
+
+/// Files of one completed-or-pending checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Staged {
+    files: Vec<DataFileMeta>,
+    /// The combined watermark of the inputs when the barrier arrived.
+    watermark: Option<i64>,
+}
+
+/// The committer's checkpoint state.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct State {
+    pending: BTreeMap<u64, Staged>,
+}
+
+/// Creates the committer (parallelism 1).
+pub(crate) struct CommitterFactory {
+    pub(crate) table: Arc<SinkTable>,
+}
+
+#[async_trait::async_trait]
+impl SinkFactory<DataFileMeta> for CommitterFactory {
+    async fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: Option<SinkRestore<'_>>,
+    ) -> StreamResult<Box<dyn Sink<DataFileMeta>>> {
+        if ctx.parallelism != 1 {
+            return Err(StreamError::Graph {
+                message: format!(
+                    "{}: the committer must run with parallelism 1, not {}",
+                    self.table.label(),
+                    ctx.parallelism
+                ),
+            });
+        }
+        let mut committer = Committer::new(Arc::clone(&self.table));
+        if let Some(restore) = restored {
+            for bytes in restore.states {
+                let state: State = postcard::from_bytes(bytes).map_err(|e| StreamError::State {
+                    operator: ctx.name.clone(),
+                    action: "decoded",
+                    message: e.to_string(),
+                })?;
+                for (id, staged) in state.pending {
+                    let entry = committer.pending.entry(id).or_default();
+                    entry.files.extend(staged.files);
+                    entry.watermark = entry.watermark.max(staged.watermark);
+                }
+            }
+            let files: usize = committer.pending.values().map(|s| s.files.len()).sum();
+            tracing::info!(
+                sink = %self.table.label(),
+                checkpoint = %restore.checkpoint,
+                pending_checkpoints = committer.pending.len(),
+                files,
+                "restoring: committing what the checkpoint holds and the table does not"
+            );
+            // Recovery step 3: commit every restored checkpoint above what the
+            // table holds; drop the rest (the guard tells which).
+            committer.commit_upto(restore.checkpoint.get()).await?;
+        }
+        // Recovery step 4: files of checkpoints that never completed.
+        if let Some(min_age) = self.table.config.orphan_min_age {
+            match crate::orphans::delete_orphans(&self.table, min_age).await {
+                Ok(report) if report.deleted > 0 => tracing::info!(
+                    sink = %self.table.label(),
+                    deleted = report.deleted,
+                    bytes = report.bytes,
+                    "deleted orphan data files"
+                ),
+                Ok(_) => {}
+                // Orphans waste space but harm no one: log and go on.
+                Err(e) => {
+                    tracing::warn!(sink = %self.table.label(), error = %e, "orphan cleanup failed")
+                }
+            }
+        }
+        Ok(Box::new(committer))
+    }
+
+    async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
+        self.table.committed().await
+    }
+}
+
+/// A failed commit try.
+struct Failed {
+    error: StreamError,
+    /// A fault hook crashed it: no retry, as after a real crash.
+    crashed: bool,
+}
+
+impl From<StreamError> for Failed {
+    fn from(error: StreamError) -> Self {
+        Failed {
+            error,
+            crashed: false,
+        }
+    }
+}
+
+pub(crate) struct Committer {
+    table: Arc<SinkTable>,
+    /// Files received since the last barrier.
+    current: Vec<DataFileMeta>,
+    /// Files of checkpoints not committed yet, by checkpoint id.
+    pending: BTreeMap<u64, Staged>,
+    watermark: i64,
+    /// Completed checkpoints not committed yet (for the cadence).
+    uncommitted: u32,
+    last_commit: Instant,
+    commits: metrics::Counter,
+    commit_seconds: metrics::Histogram,
+    last_committed: metrics::Gauge,
+}
+
+impl Committer {
+    fn new(table: Arc<SinkTable>) -> Self {
+        let sink = table.config.sink_id.clone();
+        Committer {
+            current: Vec::new(),
+            pending: BTreeMap::new(),
+            watermark: i64::MIN,
+            uncommitted: 0,
+            last_commit: Instant::now(),
+            commits: metrics::counter!("tinyflow_iceberg_commits_total", "sink" => sink.clone()),
+            commit_seconds: metrics::histogram!("tinyflow_iceberg_commit_seconds", "sink" => sink.clone()),
+            last_committed: metrics::gauge!("tinyflow_iceberg_last_committed_checkpoint", "sink" => sink),
+            table,
+        }
+    }
+
+    fn pending_bytes(&self) -> u64 {
+        self.pending
+            .values()
+            .flat_map(|s| &s.files)
+            .map(|f| f.bytes)
+            .sum()
+    }
+
+    /// Commits every pending checkpoint up to `upto` in one transaction,
+    /// unless the table already has them: the check runs on the table as
+    /// refreshed for each attempt (see [`GuardedCatalog`]).
+    async fn commit_upto(&mut self, upto: u64) -> StreamResult<()> {
+        let config = &self.table.config;
+        let label = self.table.label();
+        let mut backoff = config.retry_backoff;
+        let mut failures = 0u32;
+        loop {
+            let ids: Vec<u64> = self.pending.range(..=upto).map(|(id, _)| *id).collect();
+            let (Some(&low), Some(&high)) = (ids.first(), ids.last()) else {
+                return Ok(());
+            };
+            let started = Instant::now();
+            let result = self.try_commit(&ids).await;
+            match result {
+                Ok(None) => {
+                    let files: usize = ids.iter().map(|id| self.pending[id].files.len()).sum();
+                    let records: u64 = ids
+                        .iter()
+                        .flat_map(|id| &self.pending[id].files)
+                        .map(|f| f.records)
+                        .sum();
+                    self.pending.retain(|id, _| *id > high);
+                    self.uncommitted = 0;
+                    self.last_commit = Instant::now();
+                    self.commits.increment(1);
+                    self.commit_seconds.record(started.elapsed().as_secs_f64());
+                    self.last_committed.set(high as f64);
+                    tracing::info!(
+                        sink = %label,
+                        checkpoint = high,
+                        from = low,
+                        files,
+                        records,
+                        commit_ms = started.elapsed().as_millis() as u64,
+                        "committed"
+                    );
+                    return Ok(());
+                }
+                Ok(Some(Observed::AlreadyCommitted(c))) => {
+                    tracing::info!(sink = %label, checkpoint = high, table_has = c, "already committed; dropping");
+                    self.pending.retain(|id, _| *id > high);
+                    self.uncommitted = 0;
+                    self.last_committed.set(c as f64);
+                    return Ok(());
+                }
+                Ok(Some(Observed::Partly(c))) => {
+                    tracing::info!(sink = %label, from = low, to = high, table_has = c, "partly committed already; committing the rest");
+                    self.pending.retain(|id, _| *id > c);
+                }
+                Ok(Some(Observed::Crashed)) => unreachable!("crashes are errors"),
+                Err(Failed { error: e, crashed }) => {
+                    failures += 1;
+                    if crashed || failures >= config.commit_attempts {
+                        tracing::error!(sink = %label, checkpoint = high, failures, error = %e, "commit failed; the data stays in the checkpoint");
+                        return Err(e);
+                    }
+                    tracing::warn!(sink = %label, checkpoint = high, failures, retry_in_ms = backoff.as_millis() as u64, error = %e, "commit failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+    }
+
+    /// One commit try of the checkpoints `ids` (ascending). `Ok(None)`: done;
+    /// `Ok(Some(..))`: the guard found the table holds some or all of them.
+    async fn try_commit(&self, ids: &[u64]) -> Result<Option<Observed>, Failed> {
+        let config = &self.table.config;
+        let label = self.table.label();
+        let (low, high) = (ids[0], ids[ids.len() - 1]);
+        let table = self.table.load().await?;
+        // A fast check first: no transaction needed when all is committed.
+        match committed_id(&table, &config.sink_id) {
+            Some(c) if c >= high => return Ok(Some(Observed::AlreadyCommitted(c))),
+            Some(c) if c >= low => return Ok(Some(Observed::Partly(c))),
+            _ => {}
+        }
+        let metadata = table.metadata();
+        let schema = metadata.current_schema();
+        let mut files = Vec::new();
+        for id in ids {
+            for f in &self.pending[id].files {
+                let spec = metadata.partition_spec_by_id(f.spec_id).ok_or_else(|| {
+                    StreamError::External {
+                        operator: label.clone(),
+                        system: "iceberg",
+                        action: format!("committing {}", f.path),
+                        message: format!("the table has no partition spec {}", f.spec_id),
+                        retryable: false,
+                    }
+                })?;
+                let partition_type = spec
+                    .partition_type(schema)
+                    .map_err(|e| external(&label, "reading the partition spec", &e))?;
+                let file = iceberg::spec::deserialize_data_file_from_json(
+                    &f.json,
+                    f.spec_id,
+                    &partition_type,
+                    schema,
+                )
+                .map_err(|e| external(&label, format!("decoding metadata of {}", f.path), &e))?;
+                files.push(file);
+            }
+        }
+        let mut summary = HashMap::from([
+            (SUMMARY_SINK_ID.to_owned(), config.sink_id.clone()),
+            (SUMMARY_CHECKPOINT_ID.to_owned(), high.to_string()),
+        ]);
+        if let Some(w) = self.pending[&high].watermark
+            && w > i64::MIN
+            && w < i64::MAX
+        {
+            summary.insert(SUMMARY_WATERMARK.to_owned(), w.to_string());
+        }
+        let tx = Transaction::new(&table);
+        // iceberg's own duplicate-file check reads every manifest of the
+        // table on every attempt (cost grows with the table's history); the
+        // guard's check reads one property of the refreshed table instead.
+        let append = tx
+            .fast_append()
+            .with_check_duplicate(false)
+            .add_data_files(files)
+            .set_snapshot_properties(summary);
+        let tx = append
+            .apply(tx)
+            .map_err(|e| external(&label, "building the commit", &e))?;
+        let props = tx
+            .update_table_properties()
+            .set(config.committed_property(), high.to_string());
+        let tx = props
+            .apply(tx)
+            .map_err(|e| external(&label, "building the commit", &e))?;
+        let catalog = self.table.catalog().await?;
+        let guard = GuardedCatalog::new(
+            catalog.as_ref(),
+            &config.sink_id,
+            (low, high),
+            config.fault_hook.as_ref(),
+        );
+        match tx.commit(&guard).await {
+            Ok(_) => Ok(None),
+            Err(e) => match guard.observed() {
+                Some(Observed::Crashed) => Err(Failed {
+                    error: StreamError::External {
+                        operator: label,
+                        system: "iceberg",
+                        action: format!("committing checkpoint {high}"),
+                        message: format!("injected crash: {e}"),
+                        // As after a real crash: a restart recovers.
+                        retryable: true,
+                    },
+                    crashed: true,
+                }),
+                Some(seen) => Ok(Some(seen)),
+                None => Err(
+                    external(&label, format!("committing checkpoints {low}..={high}"), &e).into(),
+                ),
+            },
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Sink<DataFileMeta> for Committer {
+    async fn write(&mut self, batch: Vec<DataFileMeta>) -> StreamResult<()> {
+        self.current.extend(batch);
+        Ok(())
+    }
+
+    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
+        if !self.current.is_empty() {
+            self.pending.insert(
+                id.get(),
+                Staged {
+                    files: std::mem::take(&mut self.current),
+                    watermark: Some(self.watermark),
+                },
+            );
+        }
+        let state = State {
+            pending: self.pending.clone(),
+        };
+        postcard::to_allocvec(&state).map_err(|e| StreamError::State {
+            operator: self.table.label(),
+            action: "encoded",
+            message: e.to_string(),
+        })
+    }
+
+    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {
+        self.uncommitted += 1;
+        // After the end of input (the final watermark) every checkpoint
+        // commits: the job is about to finish.
+        let ended = self.watermark == i64::MAX;
+        if ended
+            || self.table.config.cadence.due(
+                self.uncommitted,
+                self.last_commit.elapsed(),
+                self.pending_bytes(),
+            )
+        {
+            self.commit_upto(id.get()).await?;
+        }
+        Ok(())
+    }
+
+    fn on_watermark(&mut self, watermark: i64) {
+        self.watermark = self.watermark.max(watermark);
+    }
+}

@@ -1,0 +1,629 @@
+//! What an Iceberg sink is configured with: the catalog, the table (and how
+//! to create it), the writers' file settings and the commit cadence.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tinyflow_api::{StreamError, StreamResult};
+
+/// Where the table's catalog lives.
+#[derive(Clone)]
+pub enum CatalogConfig {
+    /// A SQL catalog (sqlite, the embedded default, or Postgres) over a
+    /// warehouse location.
+    Sql {
+        /// The catalog's name. Readers must use the same name (it is a
+        /// column of the catalog's tables).
+        name: String,
+        /// `sqlite:<path>?mode=rwc` or `postgres://user:password@host/db`.
+        uri: String,
+        /// Where table data lives, e.g. `file:///var/lib/tinyflow/warehouse`.
+        warehouse: String,
+        /// Further catalog properties, passed through.
+        properties: HashMap<String, String>,
+    },
+    /// An in-memory catalog: tables vanish with the process (tests only).
+    Memory {
+        /// The catalog's name.
+        name: String,
+        /// Where table data lives.
+        warehouse: String,
+    },
+}
+
+impl CatalogConfig {
+    /// A sqlite catalog in `dir/catalog.db` over the warehouse
+    /// `dir/warehouse`, named `tinyflow`.
+    pub fn sqlite(dir: &Path) -> Self {
+        CatalogConfig::Sql {
+            name: "tinyflow".to_owned(),
+            uri: format!("sqlite:{}?mode=rwc", dir.join("catalog.db").display()),
+            warehouse: format!("file://{}", dir.join("warehouse").display()),
+            properties: HashMap::new(),
+        }
+    }
+
+    /// The catalog's name.
+    pub fn name(&self) -> &str {
+        match self {
+            CatalogConfig::Sql { name, .. } | CatalogConfig::Memory { name, .. } => name,
+        }
+    }
+
+    /// The warehouse location.
+    pub fn warehouse(&self) -> &str {
+        match self {
+            CatalogConfig::Sql { warehouse, .. } | CatalogConfig::Memory { warehouse, .. } => {
+                warehouse
+            }
+        }
+    }
+
+    /// A description safe to log: a password in the URI is replaced.
+    pub fn describe(&self) -> String {
+        match self {
+            CatalogConfig::Sql { name, uri, .. } => {
+                format!("sql catalog {name} at {}", redact(uri))
+            }
+            CatalogConfig::Memory { name, .. } => format!("memory catalog {name}"),
+        }
+    }
+}
+
+impl fmt::Debug for CatalogConfig {
+    // Never prints secrets: the URI's password and every property value
+    // whose key looks like a credential are replaced.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CatalogConfig::Sql {
+                name,
+                uri,
+                warehouse,
+                properties,
+            } => {
+                let props: HashMap<&str, &str> = properties
+                    .iter()
+                    .map(|(k, v)| {
+                        let secret = ["password", "secret", "token", "key", "credential"]
+                            .iter()
+                            .any(|s| k.to_ascii_lowercase().contains(s));
+                        (k.as_str(), if secret { "***" } else { v.as_str() })
+                    })
+                    .collect();
+                f.debug_struct("Sql")
+                    .field("name", name)
+                    .field("uri", &redact(uri))
+                    .field("warehouse", warehouse)
+                    .field("properties", &props)
+                    .finish()
+            }
+            CatalogConfig::Memory { name, warehouse } => f
+                .debug_struct("Memory")
+                .field("name", name)
+                .field("warehouse", warehouse)
+                .finish(),
+        }
+    }
+}
+
+/// `scheme://user:password@host` -> `scheme://user:***@host`.
+fn redact(uri: &str) -> String {
+    let Some((scheme, rest)) = uri.split_once("://") else {
+        return uri.to_owned();
+    };
+    let Some((auth, host)) = rest.split_once('@') else {
+        return uri.to_owned();
+    };
+    match auth.split_once(':') {
+        Some((user, _)) => format!("{scheme}://{user}:***@{host}"),
+        None => uri.to_owned(),
+    }
+}
+
+/// A column type of a declared table schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnType {
+    /// `boolean`
+    Boolean,
+    /// `int` (32 bits)
+    Int,
+    /// `long` (64 bits)
+    Long,
+    /// `float` (32 bits)
+    Float,
+    /// `double` (64 bits)
+    Double,
+    /// `string` (UTF-8)
+    String,
+    /// `binary`
+    Binary,
+    /// `date` (days since 1970-01-01)
+    Date,
+    /// `timestamp` (microseconds, no time zone)
+    Timestamp,
+    /// `timestamptz` (microseconds, UTC)
+    Timestamptz,
+    /// `decimal(precision, scale)`
+    Decimal {
+        /// Digits in all.
+        precision: u32,
+        /// Digits after the point.
+        scale: u32,
+    },
+}
+
+impl FromStr for ColumnType {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim().to_ascii_lowercase();
+        Ok(match t.as_str() {
+            "boolean" | "bool" => ColumnType::Boolean,
+            "int" | "integer" => ColumnType::Int,
+            "long" | "bigint" => ColumnType::Long,
+            "float" => ColumnType::Float,
+            "double" => ColumnType::Double,
+            "string" => ColumnType::String,
+            "binary" => ColumnType::Binary,
+            "date" => ColumnType::Date,
+            "timestamp" => ColumnType::Timestamp,
+            "timestamptz" => ColumnType::Timestamptz,
+            _ => {
+                let inner = t
+                    .strip_prefix("decimal(")
+                    .and_then(|r| r.strip_suffix(')'))
+                    .ok_or_else(|| {
+                        format!(
+                            "unknown type `{s}`; expected one of boolean, int, long, float, double, \
+                             string, binary, date, timestamp, timestamptz, decimal(P,S)"
+                        )
+                    })?;
+                let (p, sc) = inner
+                    .split_once(',')
+                    .ok_or_else(|| format!("`{s}`: expected decimal(precision,scale)"))?;
+                let precision: u32 = p
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("`{s}`: precision is not a number"))?;
+                let scale: u32 = sc
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("`{s}`: scale is not a number"))?;
+                if precision == 0 || precision > 38 || scale > precision {
+                    return Err(format!(
+                        "`{s}`: expected 1 <= precision <= 38 and scale <= precision"
+                    ));
+                }
+                ColumnType::Decimal { precision, scale }
+            }
+        })
+    }
+}
+
+/// One column of a declared table schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Column {
+    /// Its name.
+    pub name: String,
+    /// Its type.
+    pub ty: ColumnType,
+    /// Whether every record must have a value.
+    pub required: bool,
+}
+
+impl Column {
+    /// A required column.
+    pub fn required(name: &str, ty: ColumnType) -> Self {
+        Column {
+            name: name.to_owned(),
+            ty,
+            required: true,
+        }
+    }
+
+    /// An optional (nullable) column.
+    pub fn optional(name: &str, ty: ColumnType) -> Self {
+        Column {
+            name: name.to_owned(),
+            ty,
+            required: false,
+        }
+    }
+}
+
+/// One field of a partition spec: a column and a transform (`identity`,
+/// `year`, `month`, `day`, `hour`, `bucket[N]`, `truncate[W]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionField {
+    /// The source column.
+    pub column: String,
+    /// The transform, as Iceberg spells it.
+    pub transform: String,
+}
+
+impl PartitionField {
+    /// `column` partitioned by `transform`.
+    pub fn new(column: &str, transform: &str) -> Self {
+        PartitionField {
+            column: column.to_owned(),
+            transform: transform.to_owned(),
+        }
+    }
+}
+
+/// A declared table: its columns and partition spec. The sink creates the
+/// table from it when missing, and checks an existing table against it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TableSpec {
+    /// The columns, in order.
+    pub columns: Vec<Column>,
+    /// The partition spec (empty: unpartitioned).
+    pub partition: Vec<PartitionField>,
+}
+
+/// Parquet compression of the data files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// None.
+    None,
+    /// Snappy.
+    Snappy,
+    /// Zstandard at a level (1..=22).
+    Zstd(i32),
+}
+
+impl FromStr for Compression {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" | "uncompressed" => Ok(Compression::None),
+            "snappy" => Ok(Compression::Snappy),
+            "zstd" => Ok(Compression::Zstd(3)),
+            other => match other
+                .strip_prefix("zstd(")
+                .and_then(|r| r.strip_suffix(')'))
+            {
+                Some(level) => level
+                    .parse()
+                    .ok()
+                    .filter(|l| (1..=22).contains(l))
+                    .map(Compression::Zstd)
+                    .ok_or_else(|| format!("`{s}`: zstd level must be 1..=22")),
+                None => Err(format!(
+                    "unknown compression `{s}`; expected none, snappy, zstd or zstd(LEVEL)"
+                )),
+            },
+        }
+    }
+}
+
+/// When the committer commits. With no bound set it commits on every
+/// completed checkpoint; otherwise when any bound is reached (checked at
+/// each completed checkpoint). Exactly-once does not depend on it: files
+/// not committed yet stay in checkpoint state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitCadence {
+    /// Commit once this many completed checkpoints are uncommitted.
+    pub every_checkpoints: Option<u32>,
+    /// Commit once this long passed since the previous commit.
+    pub interval: Option<Duration>,
+    /// Commit once the uncommitted files hold this many bytes.
+    pub max_pending_bytes: Option<u64>,
+}
+
+impl CommitCadence {
+    /// Whether to commit now.
+    pub(crate) fn due(&self, uncommitted: u32, since_last: Duration, pending_bytes: u64) -> bool {
+        if self.every_checkpoints.is_none()
+            && self.interval.is_none()
+            && self.max_pending_bytes.is_none()
+        {
+            return true;
+        }
+        self.every_checkpoints.is_some_and(|n| uncommitted >= n)
+            || self.interval.is_some_and(|t| since_last >= t)
+            || self.max_pending_bytes.is_some_and(|b| pending_bytes >= b)
+    }
+}
+
+/// A step of the commit path, where fault-injection tests can fail or act.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitStep {
+    /// The table was refreshed for commit attempt `attempt` (0-based), the
+    /// "already committed?" check is about to run against it.
+    Refreshed {
+        /// The attempt.
+        attempt: u32,
+    },
+    /// The commit of attempt `attempt` is about to reach the catalog.
+    BeforeUpdate {
+        /// The attempt.
+        attempt: u32,
+    },
+    /// The catalog accepted attempt `attempt`; nothing else knows yet.
+    AfterUpdate {
+        /// The attempt.
+        attempt: u32,
+    },
+}
+
+/// What a fault hook does at a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    /// Go on.
+    Proceed,
+    /// Fail the commit as a crash would: nothing is retried, the sink
+    /// reports the error and the job restarts from its last checkpoint.
+    Crash(String),
+    /// Only at `AfterUpdate`: the catalog's answer is lost; the commit
+    /// retries as after a conflict.
+    LoseResponse,
+}
+
+/// A fault-injection hook on the commit path (tests).
+pub type FaultHook = Arc<dyn Fn(CommitStep) -> BoxFuture<'static, Fault> + Send + Sync>;
+
+/// An Iceberg sink's configuration.
+#[derive(Clone)]
+pub struct IcebergSinkConfig {
+    /// The catalog.
+    pub catalog: CatalogConfig,
+    /// The table's namespace (one or more levels).
+    pub namespace: Vec<String>,
+    /// The table's name.
+    pub table: String,
+    /// A stable name of this sink, unique among the sinks writing the table.
+    /// Dedupe is keyed on it: change it and the sink forgets what it
+    /// committed.
+    pub sink_id: String,
+    /// Create the table from this spec when missing, and check an existing
+    /// table against it. `None`: the table must exist.
+    pub table_spec: Option<TableSpec>,
+    /// Data files roll at about this size (and at every checkpoint).
+    pub target_file_size: usize,
+    /// Parquet compression.
+    pub compression: Compression,
+    /// At most this many data files open per writer subtask (one per
+    /// partition); the least recently used is closed when a new one opens.
+    pub max_open_writers: usize,
+    /// Rows per Parquet row group (bounds each open file's buffer).
+    pub row_group_rows: usize,
+    /// When to commit.
+    pub cadence: CommitCadence,
+    /// Tries per commit when the catalog fails (unreachable, I/O), with
+    /// backoff; after the last, the job fails with its data safe in the
+    /// checkpoint. Conflicts are retried inside each try.
+    pub commit_attempts: u32,
+    /// First backoff between tries; doubles up to 30 s.
+    pub retry_backoff: Duration,
+    /// How long opening the catalog may take before it counts as
+    /// unreachable.
+    pub connect_timeout: Duration,
+    /// On recovery, delete unreferenced data files of this sink older than
+    /// this (orphans of checkpoints that never completed). `None`: never.
+    pub orphan_min_age: Option<Duration>,
+    /// Fault injection on the commit path (tests).
+    pub fault_hook: Option<FaultHook>,
+}
+
+impl fmt::Debug for IcebergSinkConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IcebergSinkConfig")
+            .field("catalog", &self.catalog)
+            .field("namespace", &self.namespace)
+            .field("table", &self.table)
+            .field("sink_id", &self.sink_id)
+            .field("table_spec", &self.table_spec)
+            .field("target_file_size", &self.target_file_size)
+            .field("compression", &self.compression)
+            .field("max_open_writers", &self.max_open_writers)
+            .field("row_group_rows", &self.row_group_rows)
+            .field("cadence", &self.cadence)
+            .field("commit_attempts", &self.commit_attempts)
+            .field("retry_backoff", &self.retry_backoff)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("orphan_min_age", &self.orphan_min_age)
+            .field("fault_hook", &self.fault_hook.as_ref().map(|_| "set"))
+            .finish()
+    }
+}
+
+impl IcebergSinkConfig {
+    /// A sink `sink_id` into `namespace.table` of `catalog`, with defaults:
+    /// 128 MiB files, zstd(3), 16 open files per writer, 64k-row row groups,
+    /// a commit per checkpoint, 5 tries from 200 ms, 15 s to open the
+    /// catalog, orphans older than an hour deleted on recovery.
+    pub fn new(catalog: CatalogConfig, namespace: &str, table: &str, sink_id: &str) -> Self {
+        IcebergSinkConfig {
+            catalog,
+            namespace: namespace.split('.').map(str::to_owned).collect(),
+            table: table.to_owned(),
+            sink_id: sink_id.to_owned(),
+            table_spec: None,
+            target_file_size: 128 << 20,
+            compression: Compression::Zstd(3),
+            max_open_writers: 16,
+            row_group_rows: 64 * 1024,
+            cadence: CommitCadence::default(),
+            commit_attempts: 5,
+            retry_backoff: Duration::from_millis(200),
+            connect_timeout: Duration::from_secs(15),
+            orphan_min_age: Some(Duration::from_secs(3600)),
+            fault_hook: None,
+        }
+    }
+
+    /// Creates the table from `spec` when missing.
+    pub fn create_if_missing(mut self, spec: TableSpec) -> Self {
+        self.table_spec = Some(spec);
+        self
+    }
+
+    /// The table property holding this sink's last committed checkpoint id.
+    pub fn committed_property(&self) -> String {
+        format!("tinyflow.sink.{}.checkpoint-id", self.sink_id)
+    }
+
+    /// Checks every setting; the error names the key.
+    pub fn validate(&self) -> StreamResult<()> {
+        let bad = |key: &'static str, message: String| Err(StreamError::Config { key, message });
+        if self.sink_id.is_empty()
+            || !self
+                .sink_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return bad(
+                "sink.sink_id",
+                format!(
+                    "{:?}: expected a non-empty name of letters, digits, `-`, `_` or `.`",
+                    self.sink_id
+                ),
+            );
+        }
+        if self.table.is_empty() {
+            return bad("sink.table", "must not be empty".to_owned());
+        }
+        if self.namespace.is_empty() || self.namespace.iter().any(String::is_empty) {
+            return bad(
+                "sink.namespace",
+                format!(
+                    "{:?}: expected one or more non-empty levels",
+                    self.namespace
+                ),
+            );
+        }
+        if self.target_file_size < 1024 {
+            return bad(
+                "sink.target_file_size",
+                format!("{} bytes: expected at least 1024", self.target_file_size),
+            );
+        }
+        if self.max_open_writers == 0 {
+            return bad("sink.max_open_writers", "expected at least 1".to_owned());
+        }
+        if self.row_group_rows == 0 {
+            return bad("sink.row_group_rows", "expected at least 1".to_owned());
+        }
+        if self.commit_attempts == 0 {
+            return bad("sink.commit_attempts", "expected at least 1".to_owned());
+        }
+        if self.cadence.every_checkpoints == Some(0) {
+            return bad(
+                "sink.commit.every_checkpoints",
+                "expected at least 1".to_owned(),
+            );
+        }
+        if let Some(spec) = &self.table_spec {
+            if spec.columns.is_empty() {
+                return bad("sink.schema", "declares no columns".to_owned());
+            }
+            let mut seen = std::collections::HashSet::new();
+            for c in &spec.columns {
+                if !seen.insert(c.name.as_str()) {
+                    return bad("sink.schema", format!("column `{}` declared twice", c.name));
+                }
+            }
+            for p in &spec.partition {
+                if !seen.contains(p.column.as_str()) {
+                    return bad(
+                        "sink.partition",
+                        format!("partition column `{}` is not a declared column", p.column),
+                    );
+                }
+                if iceberg::spec::Transform::from_str(&p.transform).is_err() {
+                    return bad(
+                        "sink.partition",
+                        format!(
+                            "transform `{}` of `{}`: expected identity, year, month, day, hour, \
+                             bucket[N] or truncate[W]",
+                            p.transform, p.column
+                        ),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn types_parse_and_bad_types_name_the_choices() {
+        assert_eq!("LONG".parse(), Ok(ColumnType::Long));
+        assert_eq!(
+            "decimal(10, 2)".parse(),
+            Ok(ColumnType::Decimal {
+                precision: 10,
+                scale: 2
+            })
+        );
+        let err = "varchar".parse::<ColumnType>().unwrap_err();
+        assert!(
+            err.contains("varchar") && err.contains("timestamptz"),
+            "{err}"
+        );
+        assert!("decimal(3,4)".parse::<ColumnType>().is_err());
+    }
+
+    #[test]
+    fn passwords_never_reach_debug_output() {
+        let mut properties = HashMap::new();
+        properties.insert("s3.secret-access-key".to_owned(), "hunter2".to_owned());
+        let c = CatalogConfig::Sql {
+            name: "c".to_owned(),
+            uri: "postgres://tf:hunter2@db:5432/cat".to_owned(),
+            warehouse: "s3://b/w".to_owned(),
+            properties,
+        };
+        let shown = format!("{c:?} {}", c.describe());
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("postgres://tf:***@db:5432/cat"), "{shown}");
+    }
+
+    #[test]
+    fn cadence_defaults_to_every_checkpoint_and_any_bound_triggers() {
+        let every = CommitCadence::default();
+        assert!(every.due(1, Duration::ZERO, 0));
+        let c = CommitCadence {
+            every_checkpoints: Some(3),
+            interval: Some(Duration::from_secs(10)),
+            max_pending_bytes: Some(1000),
+        };
+        assert!(!c.due(2, Duration::from_secs(9), 999));
+        assert!(c.due(3, Duration::ZERO, 0));
+        assert!(c.due(1, Duration::from_secs(10), 0));
+        assert!(c.due(1, Duration::ZERO, 1000));
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let mut c = IcebergSinkConfig::new(
+            CatalogConfig::sqlite(Path::new("/tmp/x")),
+            "db",
+            "t",
+            "bad id",
+        );
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("sink.sink_id"), "{err}");
+        c.sink_id = "ok".to_owned();
+        c = c.create_if_missing(TableSpec {
+            columns: vec![Column::required("id", ColumnType::Long)],
+            partition: vec![PartitionField::new("id", "bucket[x]")],
+        });
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("sink.partition") && err.contains("bucket[x]"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,138 @@
+//! tinyflow's Iceberg sink: exactly-once appends of Arrow record batches
+//! to an Iceberg table.
+//!
+//! The sink is two stages (steps 4-7 of `exactly-once.md`):
+//!
+//! - **Writers** (parallel): turn record batches into Parquet data files
+//!   through iceberg's writer stack, a file per partition of the table's
+//!   partition spec, rolled at a target size, at most `max_open_writers`
+//!   open at once. On barrier N they close every file and send the files'
+//!   metadata to the committer ahead of the barrier.
+//! - **Committer** (one subtask): keeps the files by checkpoint id as its
+//!   checkpoint state. When checkpoint N is durable it commits every pending
+//!   file of every checkpoint `<= N` in one transaction: a fast append whose
+//!   snapshot summary carries `tinyflow.sink-id`, `tinyflow.checkpoint-id`
+//!   and `tinyflow.watermark`, plus the table property
+//!   `tinyflow.sink.<sink-id>.checkpoint-id`, which survives snapshot expiry.
+//!
+//! Dedupe is keyed on the configured sink id (stable across runs) and runs
+//! on the table as refreshed *inside* each commit attempt, including retries
+//! after a conflict (see [`catalog`]). On recovery the committer commits the
+//! restored checkpoints the table does not hold yet and drops the others;
+//! files of checkpoints that never completed are orphans, deleted by
+//! [`IcebergSink::delete_orphans`] (and on recovery, past a minimum age).
+//!
+//! ```no_run
+//! # use tinyflow_api::{JobBuilder, JobId, Stream};
+//! # use tinyflow_connectors_iceberg::*;
+//! # fn build(batches: Stream<arrow_array::RecordBatch>) -> tinyflow_api::StreamResult<()> {
+//! let config = IcebergSinkConfig::new(
+//!     CatalogConfig::sqlite(std::path::Path::new("/var/lib/tinyflow")),
+//!     "analytics",
+//!     "bids",
+//!     "bids-sink",
+//! )
+//! .create_if_missing(TableSpec {
+//!     columns: vec![
+//!         Column::required("auction", ColumnType::Long),
+//!         Column::required("price", ColumnType::Long),
+//!         Column::required("ts", ColumnType::Timestamptz),
+//!     ],
+//!     partition: vec![PartitionField::new("ts", "hour")],
+//! });
+//! IcebergSink::new(config)?.attach(batches, "bids", 2);
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod catalog;
+mod committer;
+pub mod config;
+mod orphans;
+mod writer;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use tinyflow_api::{CheckpointId, SinkFactory, Stream, StreamResult, WriterFactory};
+
+pub use catalog::{
+    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, committed_id, iceberg_schema,
+    open_catalog,
+};
+pub use config::{
+    CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault, FaultHook,
+    IcebergSinkConfig, PartitionField, TableSpec,
+};
+pub use orphans::OrphanReport;
+pub use writer::{DataFileMeta, conform};
+
+use crate::catalog::SinkTable;
+
+/// An exactly-once Iceberg sink; [`IcebergSink::attach`] adds it to a job.
+#[derive(Clone)]
+pub struct IcebergSink {
+    table: Arc<SinkTable>,
+}
+
+impl std::fmt::Debug for IcebergSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IcebergSink")
+            .field("config", &self.table.config)
+            .finish()
+    }
+}
+
+impl IcebergSink {
+    /// Checks the configuration; the catalog is opened when the job starts.
+    pub fn new(config: IcebergSinkConfig) -> StreamResult<Self> {
+        Ok(IcebergSink {
+            table: Arc::new(SinkTable::new(config)?),
+        })
+    }
+
+    /// Adds the sink to a job: `parallelism` writers named `<name>-writer`,
+    /// then one committer named `<name>-committer`.
+    pub fn attach(&self, stream: Stream<RecordBatch>, name: &str, parallelism: usize) {
+        stream
+            .write(&format!("{name}-writer"), parallelism, self.writers())
+            .rebalance()
+            .sink(&format!("{name}-committer"), 1, self.committer());
+    }
+
+    /// The writer stage alone (what [`IcebergSink::attach`] adds first), for
+    /// jobs that wire the stages themselves, and for tests that drive them.
+    pub fn writers(&self) -> impl WriterFactory<RecordBatch, DataFileMeta> + 'static {
+        writer::IcebergWriterFactory {
+            table: Arc::clone(&self.table),
+        }
+    }
+
+    /// The committer stage alone; it must run with parallelism 1.
+    pub fn committer(&self) -> impl SinkFactory<DataFileMeta> + 'static {
+        committer::CommitterFactory {
+            table: Arc::clone(&self.table),
+        }
+    }
+
+    /// Opens the catalog and loads the table (creating it when missing and
+    /// declared); a declared schema that does not fit fails here, naming
+    /// the column.
+    pub async fn load_table(&self) -> StreamResult<iceberg::table::Table> {
+        self.table.load().await
+    }
+
+    /// The highest checkpoint id this sink committed to the table.
+    pub async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
+        self.table.committed().await
+    }
+
+    /// Deletes this sink's data files that no snapshot references and that
+    /// are older than `min_age` (local warehouses). `min_age` must exceed
+    /// the longest time a written file waits for its commit (the commit
+    /// cadence), or files of a running job could go.
+    pub async fn delete_orphans(&self, min_age: Duration) -> StreamResult<OrphanReport> {
+        orphans::delete_orphans(&self.table, min_age).await
+    }
+}

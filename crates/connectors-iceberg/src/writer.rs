@@ -1,0 +1,430 @@
+//! The parallel writer: Arrow record batches in, Parquet data files out,
+//! through iceberg's writer stack (Parquet writer, rolling file writer,
+//! data file writer), one open file per partition.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arrow_array::{Array, ArrayRef, RecordBatch, new_null_array};
+use arrow_schema::{DataType, SchemaRef};
+use iceberg::arrow::{RecordBatchPartitionSplitter, schema_to_arrow_schema};
+use iceberg::spec::{DataFile, DataFileFormat, PartitionKey, StructType};
+use iceberg::writer::base_writer::data_file_writer::{DataFileWriter, DataFileWriterBuilder};
+use iceberg::writer::file_writer::ParquetWriterBuilder;
+use iceberg::writer::file_writer::location_generator::{
+    DefaultFileNameGenerator, DefaultLocationGenerator,
+};
+use iceberg::writer::file_writer::rolling_writer::RollingFileWriterBuilder;
+use iceberg::writer::{IcebergWriter, IcebergWriterBuilder};
+use parquet::file::properties::WriterProperties;
+use serde::{Deserialize, Serialize};
+use tinyflow_api::{
+    CheckpointId, OperatorContext, StreamError, StreamResult, Writer, WriterFactory,
+};
+
+use crate::catalog::{SinkTable, external};
+use crate::config::Compression;
+
+/// A data file written but not committed: what a writer sends its committer
+/// on a barrier, and what the committer keeps in checkpoint state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataFileMeta {
+    /// Where the file is.
+    pub path: String,
+    /// The partition spec it was written with.
+    pub spec_id: i32,
+    /// Rows in it.
+    pub records: u64,
+    /// Its size.
+    pub bytes: u64,
+    /// Its full Iceberg metadata (partition values, column stats) as JSON.
+    pub json: String,
+}
+
+type Stack =
+    DataFileWriterBuilder<ParquetWriterBuilder, DefaultLocationGenerator, DefaultFileNameGenerator>;
+type OpenWriter =
+    DataFileWriter<ParquetWriterBuilder, DefaultLocationGenerator, DefaultFileNameGenerator>;
+
+/// Creates a writer subtask's [`IcebergFileWriter`].
+pub(crate) struct IcebergWriterFactory {
+    pub(crate) table: Arc<SinkTable>,
+}
+
+#[async_trait::async_trait]
+impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
+    async fn create(
+        &self,
+        ctx: &OperatorContext,
+    ) -> StreamResult<Box<dyn Writer<RecordBatch, DataFileMeta>>> {
+        let table = self.table.load().await?;
+        let label = format!(
+            "{} writer {}/{}",
+            self.table.label(),
+            ctx.subtask,
+            ctx.parallelism
+        );
+        let fail = |action: &str, e: iceberg::Error| external(&label, action, &e);
+        let metadata = table.metadata();
+        let schema = metadata.current_schema().clone();
+        let spec = metadata.default_partition_spec().clone();
+        let arrow_schema = Arc::new(
+            schema_to_arrow_schema(&schema).map_err(|e| fail("mapping the schema to Arrow", e))?,
+        );
+        let partition_type = spec
+            .partition_type(&schema)
+            .map_err(|e| fail("reading the partition spec", e))?;
+        let splitter = if spec.is_unpartitioned() {
+            None
+        } else {
+            Some(
+                RecordBatchPartitionSplitter::try_new_with_computed_values(
+                    schema.clone(),
+                    spec.clone(),
+                )
+                .map_err(|e| fail("preparing the partition splitter", e))?,
+            )
+        };
+        let config = &self.table.config;
+        let compression = match config.compression {
+            Compression::None => parquet::basic::Compression::UNCOMPRESSED,
+            Compression::Snappy => parquet::basic::Compression::SNAPPY,
+            Compression::Zstd(level) => parquet::basic::Compression::ZSTD(
+                parquet::basic::ZstdLevel::try_new(level).map_err(|e| StreamError::Config {
+                    key: "sink.compression",
+                    message: e.to_string(),
+                })?,
+            ),
+        };
+        let props = WriterProperties::builder()
+            .set_compression(compression)
+            .set_max_row_group_row_count(Some(config.row_group_rows))
+            .build();
+        let location = DefaultLocationGenerator::new(metadata)
+            .map_err(|e| fail("reading the table location", e))?;
+        // Unique per writer instance: a restarted writer must never reuse a
+        // name, or it could overwrite a committed file.
+        let prefix = format!(
+            "{}-{}-{}",
+            config.sink_id,
+            ctx.subtask,
+            uuid::Uuid::new_v4().simple()
+        );
+        let names = DefaultFileNameGenerator::new(prefix, None, DataFileFormat::Parquet);
+        let rolling = RollingFileWriterBuilder::new(
+            ParquetWriterBuilder::new(props, schema.clone()),
+            config.target_file_size,
+            table.file_io().clone(),
+            location,
+            names,
+        );
+        Ok(Box::new(IcebergFileWriter {
+            label,
+            arrow_schema,
+            splitter,
+            stack: DataFileWriterBuilder::new(rolling),
+            open: HashMap::new(),
+            tick: 0,
+            max_open: config.max_open_writers,
+            closed: Vec::new(),
+            partition_type,
+            spec_id: spec.spec_id(),
+            format_version: metadata.format_version(),
+            files: metrics::counter!("tinyflow_iceberg_files_written_total", "sink" => config.sink_id.clone()),
+            evictions: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone()),
+        }))
+    }
+}
+
+struct Open {
+    writer: OpenWriter,
+    last_used: u64,
+}
+
+/// One writer subtask: keeps a file open per partition, at most `max_open`
+/// of them (closing the least recently used), and closes all on a barrier.
+pub(crate) struct IcebergFileWriter {
+    label: String,
+    arrow_schema: SchemaRef,
+    splitter: Option<RecordBatchPartitionSplitter>,
+    stack: Stack,
+    open: HashMap<String, Open>,
+    tick: u64,
+    max_open: usize,
+    closed: Vec<DataFile>,
+    partition_type: StructType,
+    /// The partition spec every file is written with (the default).
+    spec_id: i32,
+    format_version: iceberg::spec::FormatVersion,
+    files: metrics::Counter,
+    evictions: metrics::Counter,
+}
+
+impl IcebergFileWriter {
+    async fn write_part(
+        &mut self,
+        key: Option<PartitionKey>,
+        batch: RecordBatch,
+    ) -> StreamResult<()> {
+        self.tick += 1;
+        let path = key.as_ref().map(PartitionKey::to_path).unwrap_or_default();
+        if !self.open.contains_key(&path) {
+            if self.open.len() >= self.max_open {
+                self.evict().await?;
+            }
+            let writer = self
+                .stack
+                .build(key)
+                .await
+                .map_err(|e| external(&self.label, "opening a data file", &e))?;
+            self.open.insert(
+                path.clone(),
+                Open {
+                    writer,
+                    last_used: 0,
+                },
+            );
+        }
+        let Some(open) = self.open.get_mut(&path) else {
+            unreachable!("inserted above")
+        };
+        open.last_used = self.tick;
+        open.writer
+            .write(batch)
+            .await
+            .map_err(|e| external(&self.label, format!("writing partition `{path}`"), &e))
+    }
+
+    /// Closes the least recently used open file.
+    async fn evict(&mut self) -> StreamResult<()> {
+        let Some(path) = self
+            .open
+            .iter()
+            .min_by_key(|(_, o)| o.last_used)
+            .map(|(p, _)| p.clone())
+        else {
+            return Ok(());
+        };
+        if let Some(mut open) = self.open.remove(&path) {
+            self.evictions.increment(1);
+            tracing::debug!(writer = %self.label, partition = %path, "closing least recently used file");
+            let files =
+                open.writer.close().await.map_err(|e| {
+                    external(&self.label, format!("closing partition `{path}`"), &e)
+                })?;
+            self.closed.extend(files);
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
+    async fn write(&mut self, batches: Vec<RecordBatch>) -> StreamResult<()> {
+        for batch in batches {
+            if batch.num_rows() == 0 {
+                continue;
+            }
+            let batch = conform(&batch, &self.arrow_schema, &self.label)?;
+            match &self.splitter {
+                None => self.write_part(None, batch).await?,
+                Some(splitter) => {
+                    let parts = splitter
+                        .split(&batch)
+                        .map_err(|e| external(&self.label, "computing partition values", &e))?;
+                    for (key, part) in parts {
+                        self.write_part(Some(key), part).await?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self, id: CheckpointId) -> StreamResult<Vec<DataFileMeta>> {
+        let mut files = std::mem::take(&mut self.closed);
+        for (path, mut open) in self.open.drain() {
+            let closed = open.writer.close().await.map_err(|e| {
+                external(
+                    &self.label,
+                    format!("closing partition `{path}` at checkpoint {id}"),
+                    &e,
+                )
+            })?;
+            files.extend(closed);
+        }
+        self.files.increment(files.len() as u64);
+        files
+            .into_iter()
+            .map(|f| {
+                let meta = DataFileMeta {
+                    path: f.file_path().to_owned(),
+                    spec_id: self.spec_id,
+                    records: f.record_count(),
+                    bytes: f.file_size_in_bytes(),
+                    json: String::new(),
+                };
+                let json = iceberg::spec::serialize_data_file_to_json(
+                    f,
+                    &self.partition_type,
+                    self.format_version,
+                )
+                .map_err(|e| external(&self.label, "encoding data file metadata", &e))?;
+                Ok(DataFileMeta { json, ..meta })
+            })
+            .collect()
+    }
+}
+
+/// Fits a record batch to the table's Arrow schema (which carries Iceberg
+/// field ids): columns by name, in table order; a missing optional column
+/// becomes nulls. The error names the field that does not fit.
+pub fn conform(
+    batch: &RecordBatch,
+    target: &SchemaRef,
+    operator: &str,
+) -> StreamResult<RecordBatch> {
+    // Not retryable: the same records would fail again after a restart.
+    let bad = |message: String| StreamError::External {
+        operator: operator.to_owned(),
+        system: "iceberg",
+        action: "fitting a record batch to the table schema".to_owned(),
+        message,
+        retryable: false,
+    };
+    let schema = batch.schema();
+    for field in schema.fields() {
+        if target.field_with_name(field.name()).is_err() {
+            return Err(bad(format!(
+                "record field `{}` is not a column of the table",
+                field.name()
+            )));
+        }
+    }
+    let rows = batch.num_rows();
+    let columns = target
+        .fields()
+        .iter()
+        .map(|tf| {
+            let Some(col) = batch.column_by_name(tf.name()) else {
+                return if tf.is_nullable() {
+                    Ok(new_null_array(tf.data_type(), rows))
+                } else {
+                    Err(bad(format!(
+                        "required column `{}` is missing from the record",
+                        tf.name()
+                    )))
+                };
+            };
+            let col = fit_type(col, tf.data_type()).ok_or_else(|| {
+                bad(format!(
+                    "field `{}` is {}, the table column is {}",
+                    tf.name(),
+                    col.data_type(),
+                    tf.data_type()
+                ))
+            })?;
+            if !tf.is_nullable() && col.null_count() > 0 {
+                return Err(bad(format!(
+                    "required column `{}` has {} null values",
+                    tf.name(),
+                    col.null_count()
+                )));
+            }
+            Ok(col)
+        })
+        .collect::<StreamResult<Vec<ArrayRef>>>()?;
+    RecordBatch::try_new(target.clone(), columns).map_err(|e| bad(e.to_string()))
+}
+
+/// The column as the table's type: the same, or a lossless relabelling
+/// (string and binary offsets, the time zone of a UTC timestamp).
+fn fit_type(col: &ArrayRef, want: &DataType) -> Option<ArrayRef> {
+    let have = col.data_type();
+    if have == want {
+        return Some(col.clone());
+    }
+    let castable = matches!(
+        (have, want),
+        (
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View,
+            DataType::Utf8 | DataType::LargeUtf8
+        ) | (
+            DataType::Binary | DataType::LargeBinary | DataType::BinaryView,
+            DataType::Binary | DataType::LargeBinary
+        )
+    ) || matches!(
+        (have, want),
+        (DataType::Timestamp(a, Some(_)), DataType::Timestamp(b, Some(_))) if a == b
+    );
+    if castable {
+        arrow_cast::cast(col, want).ok()
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{Int64Array, StringArray};
+    use arrow_schema::{Field, Schema};
+
+    fn target() -> SchemaRef {
+        Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, true),
+        ]))
+    }
+
+    #[test]
+    fn batches_are_fitted_by_name_and_misfits_are_named() {
+        let batch = RecordBatch::try_from_iter(vec![
+            (
+                "name",
+                Arc::new(StringArray::from(vec!["a", "b"])) as ArrayRef,
+            ),
+            ("id", Arc::new(Int64Array::from(vec![1, 2])) as ArrayRef),
+        ])
+        .unwrap();
+        let fitted = conform(&batch, &target(), "w").unwrap();
+        assert_eq!(fitted.schema(), target());
+        let only_id = RecordBatch::try_from_iter(vec![(
+            "id",
+            Arc::new(Int64Array::from(vec![1])) as ArrayRef,
+        )])
+        .unwrap();
+        assert_eq!(
+            conform(&only_id, &target(), "w")
+                .unwrap()
+                .column(1)
+                .null_count(),
+            1
+        );
+
+        let wrong = RecordBatch::try_from_iter(vec![(
+            "id",
+            Arc::new(StringArray::from(vec!["1"])) as ArrayRef,
+        )])
+        .unwrap();
+        let err = conform(&wrong, &target(), "w").unwrap_err().to_string();
+        assert!(
+            err.contains("field `id` is Utf8") && err.contains("Int64"),
+            "{err}"
+        );
+        let extra = RecordBatch::try_from_iter(vec![
+            ("id", Arc::new(Int64Array::from(vec![1])) as ArrayRef),
+            ("zip", Arc::new(Int64Array::from(vec![1])) as ArrayRef),
+        ])
+        .unwrap();
+        let err = conform(&extra, &target(), "w").unwrap_err().to_string();
+        assert!(err.contains("`zip`"), "{err}");
+        let nulls = RecordBatch::try_from_iter(vec![(
+            "id",
+            Arc::new(Int64Array::from(vec![Some(1), None])) as ArrayRef,
+        )])
+        .unwrap();
+        let err = conform(&nulls, &target(), "w").unwrap_err().to_string();
+        assert!(err.contains("required column `id` has 1 null"), "{err}");
+    }
+}

@@ -1,0 +1,861 @@
+//! The Iceberg sink against a real sqlite SQL catalog on a local warehouse,
+//! read back by iceberg-rust's scan and by pyiceberg (an independent
+//! reader, installed by `cargo xtask py-setup`, which `cargo xtask ci`
+//! runs).
+//!
+//! The commit path is driven step by step (writer -> flush on a barrier ->
+//! committer state -> commit) with crashes injected at every step of the
+//! commit: before it reaches the catalog, after the catalog accepted it
+//! but before anything learned of it, during the retry after a real
+//! conflict, and a lost catalog answer. After each, a committer restored
+//! from the checkpoint must leave every record in the table exactly once.
+//! Then whole jobs through the runtime, with panics at random moments.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arrow_array::types::Decimal128Type;
+use arrow_array::{
+    ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array,
+    PrimitiveArray, RecordBatch, StringArray, TimestampMicrosecondArray,
+};
+use futures_util::TryStreamExt;
+use iceberg::transaction::{ApplyTransactionAction, Transaction};
+use tinyflow_api::testing::{MemoryCheckpointStore, VecSource};
+use tinyflow_api::{
+    CheckpointId, JobBuilder, JobId, OperatorContext, Sink, SinkFactory, SinkRestore, Writer,
+    WriterFactory,
+};
+use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_connectors_iceberg::{
+    CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault, FaultHook,
+    IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID,
+    TableSpec, committed_id,
+};
+use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_tests::ms;
+
+const NS: &str = "db";
+const TABLE: &str = "events";
+/// 2026-01-01T00:00:00Z in microseconds.
+const T0: i64 = 1_767_225_600_000_000;
+const HOUR: i64 = 3_600_000_000;
+
+/// Every type the sink maps; partitioned by identity, day and bucket.
+fn table_spec() -> TableSpec {
+    TableSpec {
+        columns: vec![
+            Column::required("id", ColumnType::Long),
+            Column::required("part", ColumnType::Int),
+            Column::required("ts", ColumnType::Timestamptz),
+            Column::optional("name", ColumnType::String),
+            Column::optional("score", ColumnType::Double),
+            Column::optional("ok", ColumnType::Boolean),
+            Column::optional("day", ColumnType::Date),
+            Column::optional(
+                "amount",
+                ColumnType::Decimal {
+                    precision: 12,
+                    scale: 2,
+                },
+            ),
+        ],
+        partition: vec![
+            PartitionField::new("part", "identity"),
+            PartitionField::new("ts", "day"),
+            PartitionField::new("id", "bucket[4]"),
+        ],
+    }
+}
+
+/// Rows `ids`: part = id % 3, ts = T0 + (id % 48) hours (two days).
+fn batch(ids: std::ops::Range<i64>) -> RecordBatch {
+    let ids: Vec<i64> = ids.collect();
+    let amount: PrimitiveArray<Decimal128Type> =
+        Decimal128Array::from(ids.iter().map(|i| i128::from(*i) * 101).collect::<Vec<_>>())
+            .with_precision_and_scale(12, 2)
+            .unwrap();
+    RecordBatch::try_from_iter(vec![
+        ("id", Arc::new(Int64Array::from(ids.clone())) as ArrayRef),
+        (
+            "part",
+            Arc::new(Int32Array::from(
+                ids.iter().map(|i| (i % 3) as i32).collect::<Vec<_>>(),
+            )),
+        ),
+        (
+            "ts",
+            Arc::new(
+                TimestampMicrosecondArray::from(
+                    ids.iter().map(|i| T0 + (i % 48) * HOUR).collect::<Vec<_>>(),
+                )
+                .with_timezone("UTC"),
+            ),
+        ),
+        (
+            "name",
+            Arc::new(StringArray::from(
+                ids.iter().map(|i| format!("n{i}")).collect::<Vec<_>>(),
+            )),
+        ),
+        (
+            "score",
+            Arc::new(Float64Array::from(
+                ids.iter().map(|i| *i as f64 / 2.0).collect::<Vec<_>>(),
+            )),
+        ),
+        (
+            "ok",
+            Arc::new(BooleanArray::from(
+                ids.iter().map(|i| i % 2 == 0).collect::<Vec<_>>(),
+            )),
+        ),
+        (
+            "day",
+            Arc::new(Date32Array::from(
+                ids.iter()
+                    .map(|i| 20_000 + (i % 5) as i32)
+                    .collect::<Vec<_>>(),
+            )),
+        ),
+        ("amount", Arc::new(amount)),
+    ])
+    .unwrap()
+}
+
+fn config(dir: &Path, sink_id: &str) -> IcebergSinkConfig {
+    let mut c = IcebergSinkConfig::new(CatalogConfig::sqlite(dir), NS, TABLE, sink_id)
+        .create_if_missing(table_spec());
+    c.retry_backoff = ms(10);
+    c.orphan_min_age = None;
+    c
+}
+
+fn ctx(name: &str, parallelism: usize) -> OperatorContext {
+    OperatorContext {
+        name: name.to_owned(),
+        subtask: 0,
+        parallelism,
+        max_parallelism: 128,
+    }
+}
+
+/// A fault hook that answers `fault` at `step`, once, and records every
+/// step it saw.
+#[derive(Clone, Default)]
+struct Faults {
+    plan: Arc<Mutex<Vec<(CommitStep, Fault)>>>,
+    seen: Arc<Mutex<Vec<CommitStep>>>,
+}
+
+impl Faults {
+    fn at(&self, step: CommitStep, fault: Fault) {
+        self.plan.lock().unwrap().push((step, fault));
+    }
+
+    fn seen(&self) -> Vec<CommitStep> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn hook(&self) -> FaultHook {
+        let me = self.clone();
+        Arc::new(move |step| {
+            me.seen.lock().unwrap().push(step);
+            let mut plan = me.plan.lock().unwrap();
+            let fault = match plan.iter().position(|(s, _)| *s == step) {
+                Some(i) => plan.remove(i).1,
+                None => Fault::Proceed,
+            };
+            Box::pin(async move { fault })
+        })
+    }
+}
+
+/// Drives one sink's writer and committer by hand, the way the runtime
+/// does, keeping the committer's state per checkpoint.
+struct Driver {
+    sink: IcebergSink,
+    writer: Box<dyn Writer<RecordBatch, DataFileMeta>>,
+    committer: Box<dyn Sink<DataFileMeta>>,
+    states: BTreeMap<u64, Vec<u8>>,
+}
+
+impl Driver {
+    async fn new(config: IcebergSinkConfig) -> Self {
+        let sink = IcebergSink::new(config).unwrap();
+        let writer = sink.writers().create(&ctx("w", 1)).await.unwrap();
+        let committer = sink.committer().create(&ctx("c", 1), None).await.unwrap();
+        Driver {
+            sink,
+            writer,
+            committer,
+            states: BTreeMap::new(),
+        }
+    }
+
+    /// Writes `ids`, then barrier `id`: the writer's files go to the
+    /// committer, whose state is kept as checkpoint `id`'s.
+    async fn checkpoint(&mut self, id: u64, ids: std::ops::Range<i64>) {
+        self.writer.write(vec![batch(ids)]).await.unwrap();
+        let files = self.writer.flush(CheckpointId::new(id)).await.unwrap();
+        assert!(!files.is_empty());
+        self.committer.write(files).await.unwrap();
+        let state = self
+            .committer
+            .prepare_commit(CheckpointId::new(id))
+            .await
+            .unwrap();
+        self.states.insert(id, state);
+    }
+
+    async fn commit(&mut self, id: u64) -> tinyflow_api::StreamResult<()> {
+        self.committer.commit(CheckpointId::new(id)).await
+    }
+
+    /// The process died: a new committer restored from checkpoint `id`.
+    async fn restore(&mut self, id: u64) {
+        let states = [self.states[&id].clone()];
+        self.committer = self
+            .sink
+            .committer()
+            .create(
+                &ctx("c", 1),
+                Some(SinkRestore {
+                    checkpoint: CheckpointId::new(id),
+                    states: &states,
+                }),
+            )
+            .await
+            .unwrap();
+        self.writer = self.sink.writers().create(&ctx("w", 1)).await.unwrap();
+    }
+
+    async fn table(&self) -> iceberg::table::Table {
+        self.sink.load_table().await.unwrap()
+    }
+}
+
+/// Every id in the table, sorted, read with iceberg-rust's scan.
+async fn ids(table: &iceberg::table::Table) -> Vec<i64> {
+    if table.metadata().current_snapshot().is_none() {
+        return Vec::new();
+    }
+    let batches: Vec<RecordBatch> = table
+        .scan()
+        .select(["id"])
+        .build()
+        .unwrap()
+        .to_arrow()
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let mut ids: Vec<i64> = batches
+        .iter()
+        .flat_map(|b| {
+            b.column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .values()
+                .to_vec()
+        })
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+fn range(r: std::ops::Range<i64>) -> Vec<i64> {
+    r.collect()
+}
+
+fn snapshots(table: &iceberg::table::Table) -> usize {
+    table.metadata().snapshots().len()
+}
+
+#[tokio::test]
+async fn a_crash_before_the_commit_then_recovery_commits_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::default();
+    faults.at(
+        CommitStep::BeforeUpdate { attempt: 0 },
+        Fault::Crash("before".into()),
+    );
+    let mut c = config(dir.path(), "s");
+    c.fault_hook = Some(faults.hook());
+    let mut d = Driver::new(c).await;
+    d.checkpoint(1, 0..100).await;
+    let err = d.commit(1).await.unwrap_err().to_string();
+    assert!(err.contains("injected crash"), "{err}");
+    assert_eq!(ids(&d.table().await).await, Vec::<i64>::new());
+
+    d.restore(1).await;
+    let table = d.table().await;
+    assert_eq!(ids(&table).await, range(0..100));
+    assert_eq!(committed_id(&table, "s"), Some(1));
+    // A second crash and restore from the same checkpoint changes nothing.
+    d.restore(1).await;
+    let again = d.table().await;
+    assert_eq!(ids(&again).await, range(0..100));
+    assert_eq!(snapshots(&again), snapshots(&table));
+}
+
+#[tokio::test]
+async fn a_crash_after_the_commit_before_anyone_learns_of_it_is_not_committed_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::default();
+    faults.at(
+        CommitStep::AfterUpdate { attempt: 0 },
+        Fault::Crash("after".into()),
+    );
+    let mut c = config(dir.path(), "s");
+    c.fault_hook = Some(faults.hook());
+    let mut d = Driver::new(c).await;
+    d.checkpoint(1, 0..100).await;
+    assert!(d.commit(1).await.is_err());
+    let committed = d.table().await;
+    assert_eq!(ids(&committed).await, range(0..100), "the commit landed");
+
+    d.restore(1).await;
+    let table = d.table().await;
+    assert_eq!(ids(&table).await, range(0..100));
+    assert_eq!(
+        snapshots(&table),
+        snapshots(&committed),
+        "no second snapshot"
+    );
+    // The job goes on: the next checkpoint commits normally.
+    d.checkpoint(2, 100..150).await;
+    d.commit(2).await.unwrap();
+    assert_eq!(ids(&d.table().await).await, range(0..150));
+}
+
+/// The catalog committed but its answer was lost: the transaction retries
+/// as after a conflict. The dedupe check runs on the table refreshed for
+/// the retry, so the retry stops; a check before the commit (on the table
+/// as it was) would have let the retry append the files again.
+#[tokio::test]
+async fn a_lost_answer_is_caught_by_the_check_inside_the_retried_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::default();
+    faults.at(CommitStep::AfterUpdate { attempt: 0 }, Fault::LoseResponse);
+    let mut c = config(dir.path(), "s");
+    c.fault_hook = Some(faults.hook());
+    let mut d = Driver::new(c).await;
+    d.checkpoint(1, 0..100).await;
+    d.commit(1).await.unwrap();
+    assert!(
+        faults
+            .seen()
+            .contains(&CommitStep::Refreshed { attempt: 1 }),
+        "the commit was retried: {:?}",
+        faults.seen()
+    );
+    let table = d.table().await;
+    assert_eq!(ids(&table).await, range(0..100));
+    assert_eq!(snapshots(&table), 1);
+}
+
+/// Another sink appends between our refresh and our update: a real
+/// compare-and-swap conflict. The process dies during the retry; recovery
+/// commits our files once and keeps the other sink's.
+#[tokio::test]
+async fn a_crash_during_the_retry_after_a_conflict_then_recovery_commits_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut other = Driver::new(config(dir.path(), "other")).await;
+    other.checkpoint(1, 1_000..1_010).await;
+    let other = Arc::new(tokio::sync::Mutex::new(other));
+
+    let faults = Faults::default();
+    faults.at(
+        CommitStep::Refreshed { attempt: 1 },
+        Fault::Crash("in retry".into()),
+    );
+    let inner = faults.hook();
+    let interfere: FaultHook = Arc::new(move |step| {
+        let fault = inner(step);
+        let other = Arc::clone(&other);
+        Box::pin(async move {
+            if step == (CommitStep::BeforeUpdate { attempt: 0 }) {
+                other.lock().await.commit(1).await.unwrap();
+            }
+            fault.await
+        })
+    });
+    let mut c = config(dir.path(), "s");
+    c.fault_hook = Some(interfere);
+    let mut d = Driver::new(c).await;
+    d.checkpoint(1, 0..100).await;
+    let err = d.commit(1).await.unwrap_err().to_string();
+    assert!(err.contains("in retry"), "{err}");
+    assert!(
+        faults
+            .seen()
+            .contains(&CommitStep::Refreshed { attempt: 1 })
+    );
+    assert_eq!(ids(&d.table().await).await, range(1_000..1_010));
+
+    d.restore(1).await;
+    let table = d.table().await;
+    let mut want = range(0..100);
+    want.extend(1_000..1_010);
+    assert_eq!(ids(&table).await, want);
+    assert_eq!(committed_id(&table, "s"), Some(1));
+    assert_eq!(committed_id(&table, "other"), Some(1));
+}
+
+/// Two sinks on one table with the same checkpoint ids: each keeps its own
+/// exactly-once. Were dedupe keyed on anything shared (the table, a job
+/// id), one sink's commit would make the other's data look committed.
+#[tokio::test]
+async fn two_sinks_with_their_own_ids_share_a_table_each_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = Driver::new(config(dir.path(), "a")).await;
+    let mut b = Driver::new(config(dir.path(), "b")).await;
+    a.checkpoint(1, 0..50).await;
+    b.checkpoint(1, 500..520).await;
+    a.commit(1).await.unwrap();
+    a.checkpoint(2, 50..80).await;
+    a.commit(2).await.unwrap();
+    // b dies before its commit; a dies after its second and restores an
+    // older checkpoint whose pending work holds checkpoint 1 and 2 files.
+    b.restore(1).await;
+    a.restore(2).await;
+    a.restore(1).await;
+    let table = a.table().await;
+    let mut want = range(0..80);
+    want.extend(500..520);
+    assert_eq!(ids(&table).await, want);
+    assert_eq!(committed_id(&table, "a"), Some(2));
+    assert_eq!(committed_id(&table, "b"), Some(1));
+    let sinks: Vec<String> = table
+        .metadata()
+        .snapshots()
+        .filter_map(|s| {
+            s.summary()
+                .additional_properties
+                .get(SUMMARY_SINK_ID)
+                .cloned()
+        })
+        .collect();
+    assert_eq!(sinks.iter().filter(|s| *s == "a").count(), 2);
+    assert_eq!(sinks.iter().filter(|s| *s == "b").count(), 1);
+}
+
+/// The sink's snapshots expire before it recovers: the history no longer
+/// shows what it committed, the table property still does.
+#[tokio::test]
+async fn snapshot_expiry_before_recovery_does_not_break_dedupe() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::default();
+    faults.at(
+        CommitStep::AfterUpdate { attempt: 0 },
+        Fault::Crash("after".into()),
+    );
+    let mut c = config(dir.path(), "a");
+    c.fault_hook = Some(faults.hook());
+    let mut a = Driver::new(c).await;
+    a.checkpoint(1, 0..40).await;
+    assert!(a.commit(1).await.is_err());
+    let mut b = Driver::new(config(dir.path(), "b")).await;
+    b.checkpoint(1, 100..110).await;
+    b.commit(1).await.unwrap();
+
+    // Expire every snapshot but the current one (b's).
+    let table = a.table().await;
+    let current = table.metadata().current_snapshot_id().unwrap();
+    let old: Vec<i64> = table
+        .metadata()
+        .snapshots()
+        .map(|s| s.snapshot_id())
+        .filter(|id| *id != current)
+        .collect();
+    assert_eq!(old.len(), 1);
+    let tx = Transaction::new(&table);
+    let tx = tx
+        .expire_snapshots()
+        .expire_snapshot_ids(old)
+        .apply(tx)
+        .unwrap();
+    let catalog =
+        tinyflow_connectors_iceberg::open_catalog(&CatalogConfig::sqlite(dir.path()), ms(5_000))
+            .await
+            .unwrap();
+    tx.commit(catalog.as_ref()).await.unwrap();
+    let expired = a.table().await;
+    assert_eq!(snapshots(&expired), 1);
+    assert!(
+        expired.metadata().snapshots().all(|s| s
+            .summary()
+            .additional_properties
+            .get(SUMMARY_SINK_ID)
+            .map(String::as_str)
+            != Some("a")),
+        "a's snapshot is gone from the history"
+    );
+
+    a.restore(1).await;
+    let table = a.table().await;
+    let mut want = range(0..40);
+    want.extend(100..110);
+    assert_eq!(ids(&table).await, want);
+}
+
+#[tokio::test]
+async fn a_commit_cadence_of_three_checkpoints_commits_every_third() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), "s");
+    c.cadence = CommitCadence {
+        every_checkpoints: Some(3),
+        ..CommitCadence::default()
+    };
+    let mut d = Driver::new(c).await;
+    for id in 1..=7u64 {
+        let from = (id as i64 - 1) * 10;
+        d.checkpoint(id, from..from + 10).await;
+        d.commit(id).await.unwrap();
+    }
+    let table = d.table().await;
+    assert_eq!(snapshots(&table), 2);
+    assert_eq!(ids(&table).await, range(0..60));
+    assert_eq!(committed_id(&table, "s"), Some(6));
+    // Checkpoint 7's files are in its state: a restore commits them.
+    d.restore(7).await;
+    assert_eq!(ids(&d.table().await).await, range(0..70));
+}
+
+#[tokio::test]
+async fn open_files_are_capped_and_the_least_recently_used_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), "s");
+    c.max_open_writers = 2;
+    let sink = IcebergSink::new(c).unwrap();
+    let mut w = sink.writers().create(&ctx("w", 1)).await.unwrap();
+    // 3 parts x 2 days x 4 buckets: up to 24 partitions in each batch.
+    for k in 0..4 {
+        w.write(vec![batch(k * 100..(k + 1) * 100)]).await.unwrap();
+    }
+    let files = w.flush(CheckpointId::new(1)).await.unwrap();
+    let partitions: std::collections::HashSet<String> = files
+        .iter()
+        .map(|f| Path::new(&f.path).parent().unwrap().display().to_string())
+        .collect();
+    assert!(partitions.len() >= 20, "{} partitions", partitions.len());
+    assert!(
+        files.len() > partitions.len(),
+        "with 2 open files, partitions are reopened: {} files for {} partitions",
+        files.len(),
+        partitions.len()
+    );
+    assert_eq!(files.iter().map(|f| f.records).sum::<u64>(), 400);
+}
+
+#[tokio::test]
+async fn a_declared_schema_that_does_not_fit_the_table_fails_at_start_naming_the_column() {
+    let dir = tempfile::tempdir().unwrap();
+    Driver::new(config(dir.path(), "s")).await;
+    let mut spec = table_spec();
+    spec.columns[4].ty = ColumnType::Float;
+    let c = IcebergSinkConfig::new(CatalogConfig::sqlite(dir.path()), NS, TABLE, "t")
+        .create_if_missing(spec);
+    let err = IcebergSink::new(c)
+        .unwrap()
+        .load_table()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`score`") && err.contains("double"), "{err}");
+    // And a record batch of the wrong type fails at the writer, naming it.
+    let sink = IcebergSink::new(config(dir.path(), "s")).unwrap();
+    let mut w = sink.writers().create(&ctx("w", 1)).await.unwrap();
+    let wrong = RecordBatch::try_from_iter(vec![(
+        "id",
+        Arc::new(StringArray::from(vec!["1"])) as ArrayRef,
+    )])
+    .unwrap();
+    let err = w.write(vec![wrong]).await.unwrap_err().to_string();
+    assert!(err.contains("field `id`"), "{err}");
+}
+
+#[tokio::test]
+async fn an_unreachable_catalog_is_a_clear_error() {
+    let mut c = IcebergSinkConfig::new(
+        CatalogConfig::Sql {
+            name: "c".into(),
+            uri: "postgres://tf:secret@127.0.0.1:1/catalog".into(),
+            warehouse: "file:///tmp/tinyflow-unreachable".into(),
+            properties: Default::default(),
+        },
+        NS,
+        TABLE,
+        "s",
+    );
+    c.connect_timeout = ms(500);
+    let err = IcebergSink::new(c)
+        .unwrap()
+        .load_table()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("127.0.0.1:1") && !err.contains("secret"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn orphans_of_checkpoints_that_never_completed_are_deleted_and_committed_files_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Driver::new(config(dir.path(), "s")).await;
+    d.checkpoint(1, 0..60).await;
+    d.commit(1).await.unwrap();
+    // Checkpoint 2's files are written, then the process dies before the
+    // checkpoint completes.
+    d.writer.write(vec![batch(60..90)]).await.unwrap();
+    let orphans = d.writer.flush(CheckpointId::new(2)).await.unwrap();
+    d.restore(1).await;
+    let report = d.sink.delete_orphans(Duration::ZERO).await.unwrap();
+    assert_eq!(report.deleted, orphans.len(), "{report:?}");
+    for f in &orphans {
+        assert!(!Path::new(f.path.trim_start_matches("file://")).exists());
+    }
+    assert_eq!(report.referenced, report.listed - report.deleted);
+    assert_eq!(ids(&d.table().await).await, range(0..60));
+    // A minimum age keeps young files.
+    d.writer.write(vec![batch(90..95)]).await.unwrap();
+    d.writer.flush(CheckpointId::new(3)).await.unwrap();
+    let young = d
+        .sink
+        .delete_orphans(Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(young.deleted, 0);
+    assert!(young.too_young > 0);
+}
+
+// ---- through the runtime, read back by pyiceberg ----
+
+fn python() -> PathBuf {
+    if let Ok(p) = std::env::var("TINYFLOW_PYTHON") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/pyiceberg-venv/bin/python")
+}
+
+/// pyiceberg's view of the table (see `tests/python/read_table.py`).
+fn pyiceberg_read(dir: &Path) -> serde_json::Value {
+    let py = python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/read_table.py");
+    let out = std::process::Command::new(&py)
+        .arg(&script)
+        .args(["tinyflow", dir.to_str().unwrap(), &format!("{NS}.{TABLE}")])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "pyiceberg is needed: could not run {} ({e}); run `cargo xtask py-setup` \
+                 or set TINYFLOW_PYTHON to a python with pyiceberg[sql-sqlite,pyarrow]",
+                py.display()
+            )
+        });
+    assert!(
+        out.status.success(),
+        "pyiceberg failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+const INJECTED: &str = "injected iceberg job failure";
+
+fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .unwrap_or("");
+            if !msg.contains(INJECTED) {
+                default(info);
+            }
+        }));
+    });
+}
+
+/// Runs source -> map (panics at the given batch counts) -> iceberg sink.
+async fn run_job(
+    dir: &Path,
+    store: Arc<MemoryCheckpointStore>,
+    batches: Vec<Vec<RecordBatch>>,
+    panic_at: Vec<u64>,
+    writers: usize,
+    fault_hook: Option<FaultHook>,
+) -> tinyflow_runtime::JobReport {
+    quiet_injected_panics();
+    let seen = Arc::new(AtomicU64::new(0));
+    let fired: Arc<Vec<AtomicBool>> =
+        Arc::new(panic_at.iter().map(|_| AtomicBool::new(false)).collect());
+    let job = JobBuilder::new(JobId::new("iceberg-e2e").unwrap());
+    let stream = job
+        .source(
+            "batches",
+            2,
+            VecSource::new(batches).batch_size(1).pause(ms(2)),
+        )
+        .map("check", move |b: RecordBatch| {
+            let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
+            for (i, at) in panic_at.iter().enumerate() {
+                if n >= *at && !fired[i].swap(true, Ordering::SeqCst) {
+                    panic!("{INJECTED} at batch {n}");
+                }
+            }
+            b
+        });
+    let mut c = config(dir, "e2e");
+    c.fault_hook = fault_hook;
+    IcebergSink::new(c)
+        .unwrap()
+        .attach(stream, "events", writers);
+    JobRunner::new(
+        job.build().unwrap(),
+        store,
+        RuntimeConfig {
+            checkpoint: CheckpointConfig {
+                interval: Some(ms(40)),
+                timeout: ms(20_000),
+                ..CheckpointConfig::default()
+            },
+            restart: RestartStrategy::FixedDelay {
+                delay: ms(20),
+                max_attempts: 20,
+            },
+            channel_capacity: 4,
+            chaining: true,
+        },
+    )
+    .run()
+    .await
+    .unwrap()
+}
+
+fn batches(partitions: usize, per: usize, rows: i64, offset: i64) -> Vec<Vec<RecordBatch>> {
+    (0..partitions)
+        .map(|p| {
+            (0..per)
+                .map(|k| {
+                    let start = offset + ((p * per + k) as i64) * rows;
+                    batch(start..start + rows)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A whole job with failures at random moments (panics in an operator and
+/// crashes in commits), then a second run over a wiped checkpoint store:
+/// pyiceberg reads every id exactly once, the partitions and the summary
+/// keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let mut rng = tinyflow_tests::SplitMix64::new(seed);
+    let panic_at: Vec<u64> = (0..3).map(|_| 1 + rng.below(100)).collect();
+    // Crash the commit once after it landed, once before it reached the catalog.
+    let commits = Arc::new(AtomicU32::new(0));
+    let crash_after = 1 + rng.below(4) as u32;
+    let crash_before = crash_after + 1 + rng.below(4) as u32;
+    let counter = Arc::clone(&commits);
+    let hook: FaultHook = Arc::new(move |step| {
+        let fault = match step {
+            CommitStep::BeforeUpdate { attempt: 0 } => {
+                let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                if n == crash_before {
+                    Fault::Crash("before".into())
+                } else {
+                    Fault::Proceed
+                }
+            }
+            CommitStep::AfterUpdate { attempt: 0 }
+                if counter.load(Ordering::SeqCst) == crash_after =>
+            {
+                Fault::Crash("after".into())
+            }
+            _ => Fault::Proceed,
+        };
+        Box::pin(async move { fault })
+    });
+    eprintln!(
+        "seed {seed}: panics at batches {panic_at:?}, commit crashes after #{crash_after}, before #{crash_before}"
+    );
+    let store = Arc::new(MemoryCheckpointStore::new());
+    let report = run_job(
+        dir.path(),
+        store,
+        batches(4, 40, 25, 0),
+        panic_at,
+        2,
+        Some(hook),
+    )
+    .await;
+    assert!(report.attempts >= 2, "failures were injected: {report:?}");
+
+    let first = IcebergSink::new(config(dir.path(), "e2e")).unwrap();
+    let committed = first.last_committed().await.unwrap().unwrap();
+    assert_eq!(
+        ids(&first.load_table().await.unwrap()).await,
+        range(0..4_000)
+    );
+
+    // A wiped checkpoint store: the next run's ids start above what the
+    // table holds, so its data is not taken for committed.
+    let second = run_job(
+        dir.path(),
+        Arc::new(MemoryCheckpointStore::new()),
+        batches(2, 10, 25, 4_000),
+        vec![],
+        1,
+        None,
+    )
+    .await;
+    assert!(second.final_checkpoint.unwrap() > committed);
+
+    let py = pyiceberg_read(dir.path());
+    assert_eq!(py["rows"], 4_500, "{py}");
+    assert_eq!(py["distinct_ids"], 4_500);
+    assert_eq!(py["id_sum"], (0..4_500i64).sum::<i64>());
+    // 3 parts x 2 days x 4 buckets.
+    assert_eq!(
+        py["partitions"].as_array().unwrap().len(),
+        24,
+        "{}",
+        py["partitions"]
+    );
+    let snaps = py["snapshots"].as_array().unwrap();
+    assert!(!snaps.is_empty());
+    let mut last = 0u64;
+    for s in snaps {
+        assert_eq!(s[SUMMARY_SINK_ID], "e2e", "{s}");
+        let id: u64 = s[SUMMARY_CHECKPOINT_ID].as_str().unwrap().parse().unwrap();
+        assert!(
+            id > last,
+            "checkpoint ids increase along the history (I3): {py}"
+        );
+        last = id;
+    }
+    assert_eq!(
+        py["properties"]["tinyflow.sink.e2e.checkpoint-id"]
+            .as_str()
+            .unwrap(),
+        last.to_string()
+    );
+}

@@ -1,0 +1,54 @@
+"""Reads an Iceberg table with pyiceberg, independently of tinyflow's Rust
+code, and prints what the tests check as one JSON object:
+
+    python read_table.py CATALOG_NAME CATALOG_DIR NAMESPACE.TABLE [ID_COLUMN]
+
+CATALOG_DIR holds catalog.db and warehouse/ (as `CatalogConfig::sqlite`
+lays them out). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
+partitions (distinct partition tuples as strings, sorted), snapshots (each
+snapshot's summary, oldest first), properties (the table's).
+"""
+
+import json
+import sys
+
+from pyiceberg.catalog.sql import SqlCatalog
+
+
+def main() -> None:
+    name, directory, table_name = sys.argv[1], sys.argv[2], sys.argv[3]
+    id_column = sys.argv[4] if len(sys.argv) > 4 else "id"
+    catalog = SqlCatalog(
+        name,
+        uri=f"sqlite:///{directory}/catalog.db",
+        warehouse=f"file://{directory}/warehouse",
+    )
+    table = catalog.load_table(table_name)
+    data = table.scan().to_arrow()
+    ids = data.column(id_column).to_pylist() if data.num_rows else []
+    partitions = sorted(
+        {str(tuple(sorted(row["partition"].items()))) for row in table.inspect.files().to_pylist()}
+    )
+    snapshots = sorted(table.snapshots(), key=lambda s: (s.sequence_number, s.timestamp_ms))
+    print(
+        json.dumps(
+            {
+                "rows": data.num_rows,
+                "distinct_ids": len(set(ids)),
+                "id_sum": sum(ids),
+                "id_min": min(ids) if ids else None,
+                "id_max": max(ids) if ids else None,
+                "partitions": partitions,
+                "snapshots": [
+                    {k: v for k, v in (s.summary.additional_properties or {}).items()}
+                    | {"operation": s.summary.operation.value}
+                    for s in snapshots
+                ],
+                "properties": dict(table.properties),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
