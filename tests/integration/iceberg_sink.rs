@@ -408,6 +408,39 @@ async fn a_crash_during_the_retry_after_a_conflict_then_recovery_commits_once() 
     assert_eq!(committed_id(&table, "other"), Some(1));
 }
 
+/// The catalog fails commits: the sink retries with backoff, succeeds when
+/// the catalog comes back, and after `commit_attempts` failures fails the
+/// task with the catalog's error, the files safe in the checkpoint.
+#[tokio::test]
+async fn an_unavailable_catalog_is_retried_then_fails_with_the_data_safe_in_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::default();
+    for _ in 0..2 {
+        faults.at(CommitStep::BeforeUpdate { attempt: 0 }, Fault::Unavailable);
+    }
+    let mut c = config(dir.path(), "s");
+    c.commit_attempts = 3;
+    c.fault_hook = Some(faults.hook());
+    let mut d = Driver::new(c).await;
+    d.checkpoint(1, 0..10).await;
+    d.commit(1).await.unwrap();
+    assert_eq!(ids(&d.table().await).await, range(0..10));
+
+    for _ in 0..3 {
+        faults.at(CommitStep::BeforeUpdate { attempt: 0 }, Fault::Unavailable);
+    }
+    d.checkpoint(2, 10..20).await;
+    let err = d.commit(2).await.unwrap_err();
+    assert!(err.to_string().contains("unreachable"), "{err}");
+    assert!(
+        err.is_retryable(),
+        "a restart may find the catalog back: {err:?}"
+    );
+    assert_eq!(ids(&d.table().await).await, range(0..10));
+    d.restore(2).await;
+    assert_eq!(ids(&d.table().await).await, range(0..20));
+}
+
 /// Two sinks on one table with the same checkpoint ids: each keeps its own
 /// exactly-once. Were dedupe keyed on anything shared (the table, a job
 /// id), one sink's commit would make the other's data look committed.
@@ -525,6 +558,25 @@ async fn a_commit_cadence_of_three_checkpoints_commits_every_third() {
     assert_eq!(committed_id(&table, "s"), Some(6));
     // Checkpoint 7's files are in its state: a restore commits them.
     d.restore(7).await;
+    assert_eq!(ids(&d.table().await).await, range(0..70));
+}
+
+#[tokio::test]
+async fn retain_snapshots_expires_the_history_and_dedupe_still_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), "s");
+    c.retain_snapshots = Some(3);
+    let mut d = Driver::new(c).await;
+    for id in 1..=7u64 {
+        let from = (id as i64 - 1) * 10;
+        d.checkpoint(id, from..from + 10).await;
+        d.commit(id).await.unwrap();
+    }
+    let table = d.table().await;
+    assert!(snapshots(&table) <= 4, "{} snapshots", snapshots(&table));
+    assert_eq!(ids(&table).await, range(0..70));
+    // Restoring an old checkpoint whose snapshot is gone commits nothing again.
+    d.restore(2).await;
     assert_eq!(ids(&d.table().await).await, range(0..70));
 }
 

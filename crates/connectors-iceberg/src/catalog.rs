@@ -589,12 +589,19 @@ impl Catalog for GuardedCatalog<'_> {
         let attempt = self
             .attempts
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if let Fault::Crash(why) = boxed(self.fault(CommitStep::BeforeUpdate { attempt })).await {
-            return Err(self.stop(Observed::Crashed, why));
+        match boxed(self.fault(CommitStep::BeforeUpdate { attempt })).await {
+            Fault::Crash(why) => return Err(self.stop(Observed::Crashed, why)),
+            Fault::Unavailable => {
+                return Err(iceberg::Error::new(
+                    ErrorKind::Unexpected,
+                    "injected: the catalog is unreachable",
+                ));
+            }
+            Fault::Proceed | Fault::LoseResponse => {}
         }
         let table = self.inner.update_table(commit).await?;
         match boxed(self.fault(CommitStep::AfterUpdate { attempt })).await {
-            Fault::Proceed => Ok(table),
+            Fault::Proceed | Fault::Unavailable => Ok(table),
             Fault::Crash(why) => Err(self.stop(Observed::Crashed, why)),
             Fault::LoseResponse => Err(iceberg::Error::new(
                 ErrorKind::CatalogCommitConflicts,

@@ -128,6 +128,8 @@ pub(crate) struct Committer {
     /// Completed checkpoints not committed yet (for the cadence).
     uncommitted: u32,
     last_commit: Instant,
+    /// Commits since snapshots were last expired.
+    since_expiry: usize,
     commits: metrics::Counter,
     commit_seconds: metrics::Histogram,
     last_committed: metrics::Gauge,
@@ -142,6 +144,7 @@ impl Committer {
             watermark: i64::MIN,
             uncommitted: 0,
             last_commit: Instant::now(),
+            since_expiry: 0,
             commits: metrics::counter!("tinyflow_iceberg_commits_total", "sink" => sink.clone()),
             commit_seconds: metrics::histogram!("tinyflow_iceberg_commit_seconds", "sink" => sink.clone()),
             last_committed: metrics::gauge!("tinyflow_iceberg_last_committed_checkpoint", "sink" => sink),
@@ -186,6 +189,13 @@ impl Committer {
                     self.commits.increment(1);
                     self.commit_seconds.record(started.elapsed().as_secs_f64());
                     self.last_committed.set(high as f64);
+                    self.since_expiry += 1;
+                    if let Some(keep) = config.retain_snapshots
+                        && self.since_expiry >= keep
+                    {
+                        self.since_expiry = 0;
+                        self.expire(keep).await;
+                    }
                     tracing::info!(
                         sink = %label,
                         checkpoint = high,
@@ -220,6 +230,33 @@ impl Committer {
                     backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
             }
+        }
+    }
+
+    /// Expires all snapshots but the newest `keep`. A failure is logged, not
+    /// fatal: it is maintenance, and the next round tries again.
+    async fn expire(&self, keep: usize) {
+        let label = self.table.label();
+        let result = async {
+            let table = self.table.load().await?;
+            let tx = Transaction::new(&table);
+            let tx = tx
+                .expire_snapshots()
+                .expire_older_than_ms(i64::MAX)
+                .retain_last(keep)
+                .apply(tx)
+                .map_err(|e| external(&label, "expiring snapshots", &e))?;
+            let catalog = self.table.catalog().await?;
+            tx.commit(catalog.as_ref())
+                .await
+                .map_err(|e| external(&label, "expiring snapshots", &e))
+        }
+        .await;
+        match result {
+            Ok(t) => {
+                tracing::debug!(sink = %label, snapshots = t.metadata().snapshots().len(), "expired snapshots")
+            }
+            Err(e) => tracing::warn!(sink = %label, error = %e, "expiring snapshots failed"),
         }
     }
 
@@ -313,9 +350,21 @@ impl Committer {
                     crashed: true,
                 }),
                 Some(seen) => Ok(Some(seen)),
-                None => Err(
-                    external(&label, format!("committing checkpoints {low}..={high}"), &e).into(),
-                ),
+                None => {
+                    let mut error =
+                        external(&label, format!("committing checkpoints {low}..={high}"), &e);
+                    // I/O and catalog trouble may pass: a restart recovers
+                    // the files from the checkpoint and tries again. Invalid
+                    // data or an unsupported feature would fail again.
+                    if let StreamError::External { retryable, .. } = &mut error {
+                        *retryable |= matches!(
+                            e.kind(),
+                            iceberg::ErrorKind::Unexpected
+                                | iceberg::ErrorKind::CatalogCommitConflicts
+                        );
+                    }
+                    Err(error.into())
+                }
             },
         }
     }

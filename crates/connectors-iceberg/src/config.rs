@@ -364,6 +364,9 @@ pub enum Fault {
     /// Only at `AfterUpdate`: the catalog's answer is lost; the commit
     /// retries as after a conflict.
     LoseResponse,
+    /// Only at `BeforeUpdate`: the catalog is unreachable this time; the
+    /// sink's own retries (`commit_attempts`) apply.
+    Unavailable,
 }
 
 /// A fault-injection hook on the commit path (tests).
@@ -408,6 +411,11 @@ pub struct IcebergSinkConfig {
     /// On recovery, delete unreferenced data files of this sink older than
     /// this (orphans of checkpoints that never completed). `None`: never.
     pub orphan_min_age: Option<Duration>,
+    /// Keep only this many snapshots: after every that many commits the
+    /// sink expires older ones (table maintenance; commit latency grows
+    /// with the history otherwise). `None`: the table's snapshots are left
+    /// to the user's maintenance. Dedupe does not need the history.
+    pub retain_snapshots: Option<usize>,
     /// Fault injection on the commit path (tests).
     pub fault_hook: Option<FaultHook>,
 }
@@ -429,6 +437,7 @@ impl fmt::Debug for IcebergSinkConfig {
             .field("retry_backoff", &self.retry_backoff)
             .field("connect_timeout", &self.connect_timeout)
             .field("orphan_min_age", &self.orphan_min_age)
+            .field("retain_snapshots", &self.retain_snapshots)
             .field("fault_hook", &self.fault_hook.as_ref().map(|_| "set"))
             .finish()
     }
@@ -455,6 +464,7 @@ impl IcebergSinkConfig {
             retry_backoff: Duration::from_millis(200),
             connect_timeout: Duration::from_secs(15),
             orphan_min_age: Some(Duration::from_secs(3600)),
+            retain_snapshots: None,
             fault_hook: None,
         }
     }
@@ -513,6 +523,9 @@ impl IcebergSinkConfig {
         }
         if self.commit_attempts == 0 {
             return bad("sink.commit_attempts", "expected at least 1".to_owned());
+        }
+        if self.retain_snapshots == Some(0) {
+            return bad("sink.retain_snapshots", "expected at least 1".to_owned());
         }
         if self.cadence.every_checkpoints == Some(0) {
             return bad(
