@@ -31,9 +31,9 @@ use tinyflow_api::{
 };
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_iceberg::{
-    CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault, FaultHook,
-    IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID,
-    TableSpec, committed_id,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault,
+    FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID,
+    SUMMARY_SINK_ID, TableSpec, committed_id,
 };
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::ms;
@@ -199,7 +199,19 @@ impl Driver {
     /// Writes `ids`, then barrier `id`: the writer's files go to the
     /// committer, whose state is kept as checkpoint `id`'s.
     async fn checkpoint(&mut self, id: u64, ids: std::ops::Range<i64>) {
-        self.writer.write(vec![batch(ids)]).await.unwrap();
+        self.checkpoint_in(id, ids, usize::MAX).await;
+    }
+
+    /// As `checkpoint`, written in batches of `rows` rows.
+    async fn checkpoint_in(&mut self, id: u64, ids: std::ops::Range<i64>, rows: usize) {
+        let all: Vec<i64> = ids.collect();
+        for chunk in all.chunks(rows.min(all.len()).max(1)) {
+            let (first, last) = (chunk[0], chunk[chunk.len() - 1]);
+            self.writer
+                .write(vec![batch(first..last + 1)])
+                .await
+                .unwrap();
+        }
         let files = self.writer.flush(CheckpointId::new(id)).await.unwrap();
         assert!(!files.is_empty());
         self.committer.write(files).await.unwrap();
@@ -580,6 +592,52 @@ async fn retain_snapshots_expires_the_history_and_dedupe_still_holds() {
     assert_eq!(ids(&d.table().await).await, range(0..70));
 }
 
+/// Every transform Iceberg defines makes a table the sink writes and reads
+/// back; files roll at the target size within a checkpoint.
+#[tokio::test]
+async fn every_partition_transform_works_and_files_roll_at_the_target_size() {
+    for (column, transform, partitions) in [
+        ("ts", "year", 1),
+        ("ts", "month", 1),
+        ("ts", "hour", 48),
+        ("name", "truncate[2]", 10),
+        ("day", "identity", 5),
+        ("amount", "bucket[3]", 3),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = table_spec();
+        spec.partition = vec![PartitionField::new(column, transform)];
+        let mut c = IcebergSinkConfig::new(CatalogConfig::sqlite(dir.path()), NS, TABLE, "s")
+            .create_if_missing(spec);
+        c.orphan_min_age = None;
+        c.target_file_size = 1024;
+        c.row_group_rows = 500;
+        let mut d = Driver::new(c).await;
+        d.checkpoint_in(1, 0..3_000, 100).await;
+        d.commit(1).await.unwrap();
+        let table = d.table().await;
+        assert_eq!(
+            ids(&table).await,
+            range(0..3_000),
+            "{column} by {transform}"
+        );
+        let files: usize = table
+            .metadata()
+            .current_snapshot()
+            .unwrap()
+            .summary()
+            .additional_properties
+            .get("added-data-files")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            files > partitions,
+            "{column} by {transform}: {files} files for {partitions} partitions: 1 KiB files roll"
+        );
+    }
+}
+
 #[tokio::test]
 async fn open_files_are_capped_and_the_least_recently_used_is_closed() {
     let dir = tempfile::tempdir().unwrap();
@@ -631,6 +689,57 @@ async fn a_declared_schema_that_does_not_fit_the_table_fails_at_start_naming_the
     .unwrap();
     let err = w.write(vec![wrong]).await.unwrap_err().to_string();
     assert!(err.contains("field `id`"), "{err}");
+}
+
+/// Bad-record policy `skip`: rows with a null in a required column and
+/// batches that do not fit are dropped; good rows next to them are written.
+#[tokio::test]
+async fn records_that_cannot_be_written_are_skipped_and_good_ones_next_to_them_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), "s");
+    c.bad_records = BadRecords::Skip;
+    let sink = IcebergSink::new(c).unwrap();
+    let mut w = sink.writers().create(&ctx("w", 1)).await.unwrap();
+    // ids 0..10 with ids 3 and 7 missing (null in the required `id`).
+    let good = batch(0..10);
+    let mut columns = good.columns().to_vec();
+    columns[0] = Arc::new(Int64Array::from(
+        (0..10i64)
+            .map(|i| (i != 3 && i != 7).then_some(i))
+            .collect::<Vec<_>>(),
+    ));
+    let schema = Arc::new(arrow_schema_nullable_id(&good));
+    let with_nulls = RecordBatch::try_new(schema, columns).unwrap();
+    let wrong_type = RecordBatch::try_from_iter(vec![(
+        "id",
+        Arc::new(StringArray::from(vec!["100", "101"])) as ArrayRef,
+    )])
+    .unwrap();
+    w.write(vec![with_nulls, wrong_type, batch(10..20)])
+        .await
+        .unwrap();
+    let files = w.flush(CheckpointId::new(1)).await.unwrap();
+    let mut committer = sink.committer().create(&ctx("c", 1), None).await.unwrap();
+    committer.write(files).await.unwrap();
+    committer
+        .prepare_commit(CheckpointId::new(1))
+        .await
+        .unwrap();
+    committer.commit(CheckpointId::new(1)).await.unwrap();
+    let mut want: Vec<i64> = (0..20).filter(|i| *i != 3 && *i != 7).collect();
+    want.sort_unstable();
+    assert_eq!(ids(&sink.load_table().await.unwrap()).await, want);
+}
+
+/// `batch`'s schema with `id` nullable (a source that may produce nulls).
+fn arrow_schema_nullable_id(b: &RecordBatch) -> arrow_schema::Schema {
+    let fields: Vec<arrow_schema::Field> = b
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| f.as_ref().clone().with_nullable(true))
+        .collect();
+    arrow_schema::Schema::new(fields)
 }
 
 #[tokio::test]
@@ -885,13 +994,30 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     assert_eq!(py["rows"], 4_500, "{py}");
     assert_eq!(py["distinct_ids"], 4_500);
     assert_eq!(py["id_sum"], (0..4_500i64).sum::<i64>());
-    // 3 parts x 2 days x 4 buckets.
-    assert_eq!(
-        py["partitions"].as_array().unwrap().len(),
-        24,
-        "{}",
-        py["partitions"]
-    );
+    // 3 parts x 2 days x 4 buckets, with the values the transforms give.
+    let mut partitions: Vec<(String, String, String)> = py["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let field = |k: &str| {
+                p[k].as_str()
+                    .unwrap_or_else(|| panic!("{k} in {p}"))
+                    .to_owned()
+            };
+            (field("part"), field("ts_day"), field("id_bucket_4"))
+        })
+        .collect();
+    partitions.sort();
+    let mut want = Vec::new();
+    for part in ["0", "1", "2"] {
+        for day in ["2026-01-01", "2026-01-02"] {
+            for bucket in ["0", "1", "2", "3"] {
+                want.push((part.to_owned(), day.to_owned(), bucket.to_owned()));
+            }
+        }
+    }
+    assert_eq!(partitions, want, "{}", py["partitions"]);
     let snaps = py["snapshots"].as_array().unwrap();
     assert!(!snaps.is_empty());
     let mut last = 0u64;

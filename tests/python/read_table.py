@@ -5,7 +5,8 @@ code, and prints what the tests check as one JSON object:
 
 CATALOG_DIR holds catalog.db and warehouse/ (as `CatalogConfig::sqlite`
 lays them out). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
-partitions (distinct partition tuples as strings, sorted), snapshots (each
+partitions (the distinct partition values of the data files, each
+{field: value as a string}, sorted), snapshots (each
 snapshot's summary, oldest first), properties (the table's).
 """
 
@@ -27,7 +28,10 @@ def main() -> None:
     data = table.scan().to_arrow()
     ids = data.column(id_column).to_pylist() if data.num_rows else []
     partitions = sorted(
-        {str(tuple(sorted(row["partition"].items()))) for row in table.inspect.files().to_pylist()}
+        {
+            json.dumps({k: str(v) for k, v in row["partition"].items()}, sort_keys=True)
+            for row in table.inspect.files().to_pylist()
+        }
     )
     snapshots = sorted(table.snapshots(), key=lambda s: (s.sequence_number, s.timestamp_ms))
     print(
@@ -38,7 +42,7 @@ def main() -> None:
                 "id_sum": sum(ids),
                 "id_min": min(ids) if ids else None,
                 "id_max": max(ids) if ids else None,
-                "partitions": partitions,
+                "partitions": [json.loads(p) for p in partitions],
                 "snapshots": [
                     {k: v for k, v in (s.summary.additional_properties or {}).items()}
                     | {"operation": s.summary.operation.value}

@@ -303,6 +303,33 @@ impl FromStr for Compression {
     }
 }
 
+/// What the writers do with records that cannot be written to the table
+/// (a null in a required column, a field the table does not have, a type
+/// that does not fit).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BadRecords {
+    /// Fail the job, naming the field (the default).
+    #[default]
+    Fail,
+    /// Drop them, count them (`tinyflow_iceberg_bad_records_total`) and log
+    /// why; good records in the same batch are written.
+    Skip,
+}
+
+impl FromStr for BadRecords {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "fail" => Ok(BadRecords::Fail),
+            "skip" => Ok(BadRecords::Skip),
+            _ => Err(format!(
+                "unknown bad-record policy `{s}`; expected fail or skip"
+            )),
+        }
+    }
+}
+
 /// When the committer commits. With no bound set it commits on every
 /// completed checkpoint; otherwise when any bound is reached (checked at
 /// each completed checkpoint). Exactly-once does not depend on it: files
@@ -397,6 +424,8 @@ pub struct IcebergSinkConfig {
     pub max_open_writers: usize,
     /// Rows per Parquet row group (bounds each open file's buffer).
     pub row_group_rows: usize,
+    /// Records that cannot be written: fail or skip.
+    pub bad_records: BadRecords,
     /// When to commit.
     pub cadence: CommitCadence,
     /// Tries per commit when the catalog fails (unreachable, I/O), with
@@ -432,6 +461,7 @@ impl fmt::Debug for IcebergSinkConfig {
             .field("compression", &self.compression)
             .field("max_open_writers", &self.max_open_writers)
             .field("row_group_rows", &self.row_group_rows)
+            .field("bad_records", &self.bad_records)
             .field("cadence", &self.cadence)
             .field("commit_attempts", &self.commit_attempts)
             .field("retry_backoff", &self.retry_backoff)
@@ -459,6 +489,7 @@ impl IcebergSinkConfig {
             compression: Compression::Zstd(3),
             max_open_writers: 16,
             row_group_rows: 64 * 1024,
+            bad_records: BadRecords::Fail,
             cadence: CommitCadence::default(),
             commit_attempts: 5,
             retry_backoff: Duration::from_millis(200),

@@ -62,8 +62,8 @@ pub use catalog::{
     open_catalog,
 };
 pub use config::{
-    CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault, FaultHook,
-    IcebergSinkConfig, PartitionField, TableSpec,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
+    FaultHook, IcebergSinkConfig, PartitionField, TableSpec,
 };
 pub use orphans::OrphanReport;
 pub use writer::{DataFileMeta, conform};

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use arrow_array::{Array, ArrayRef, RecordBatch, new_null_array};
+use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, new_null_array};
 use arrow_schema::{DataType, SchemaRef};
 use iceberg::arrow::{RecordBatchPartitionSplitter, schema_to_arrow_schema};
 use iceberg::spec::{DataFile, DataFileFormat, PartitionKey, StructType};
@@ -23,7 +23,7 @@ use tinyflow_api::{
 };
 
 use crate::catalog::{SinkTable, external};
-use crate::config::Compression;
+use crate::config::{BadRecords, Compression};
 
 /// A data file written but not committed: what a writer sends its committer
 /// on a barrier, and what the committer keeps in checkpoint state.
@@ -130,6 +130,8 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             partition_type,
             spec_id: spec.spec_id(),
             format_version: metadata.format_version(),
+            bad_records: config.bad_records,
+            bad: metrics::counter!("tinyflow_iceberg_bad_records_total", "sink" => config.sink_id.clone()),
             files: metrics::counter!("tinyflow_iceberg_files_written_total", "sink" => config.sink_id.clone()),
             evictions: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone()),
         }))
@@ -156,8 +158,10 @@ pub(crate) struct IcebergFileWriter {
     /// The partition spec every file is written with (the default).
     spec_id: i32,
     format_version: iceberg::spec::FormatVersion,
+    bad_records: BadRecords,
     files: metrics::Counter,
     evictions: metrics::Counter,
+    bad: metrics::Counter,
 }
 
 impl IcebergFileWriter {
@@ -195,6 +199,62 @@ impl IcebergFileWriter {
             .map_err(|e| external(&self.label, format!("writing partition `{path}`"), &e))
     }
 
+    /// Bad-record policy `skip`: the batch without its rows that have a null
+    /// in a required column, fitted to the table; `None` when nothing of it
+    /// fits (a field of the wrong type or unknown to the table spoils every
+    /// row). Dropped rows are counted and the reason logged.
+    fn salvage(&self, batch: &RecordBatch) -> Option<RecordBatch> {
+        let mut keep: Option<arrow_buffer::BooleanBuffer> = None;
+        for field in self
+            .arrow_schema
+            .fields()
+            .iter()
+            .filter(|f| !f.is_nullable())
+        {
+            if let Some(nulls) = batch
+                .column_by_name(field.name())
+                .and_then(|c| c.logical_nulls())
+            {
+                let valid = nulls.inner().clone();
+                keep = Some(match keep {
+                    Some(k) => &k & &valid,
+                    None => valid,
+                });
+            }
+        }
+        let rows = batch.num_rows();
+        let filtered = match keep {
+            Some(mask) if mask.count_set_bits() < rows => {
+                let dropped = rows - mask.count_set_bits();
+                self.bad.increment(dropped as u64);
+                tracing::warn!(writer = %self.label, dropped, "skipping records with a null in a required column");
+                match arrow_select::filter::filter_record_batch(
+                    batch,
+                    &BooleanArray::new(mask, None),
+                ) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        self.bad.increment((rows - dropped) as u64);
+                        tracing::warn!(writer = %self.label, error = %e, rows, "skipping a batch that could not be filtered");
+                        return None;
+                    }
+                }
+            }
+            _ => batch.clone(),
+        };
+        if filtered.num_rows() == 0 {
+            return None;
+        }
+        match conform(&filtered, &self.arrow_schema, &self.label) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                self.bad.increment(filtered.num_rows() as u64);
+                tracing::warn!(writer = %self.label, rows = filtered.num_rows(), error = %e, "skipping a batch that does not fit the table");
+                None
+            }
+        }
+    }
+
     /// Closes the least recently used open file.
     async fn evict(&mut self) -> StreamResult<()> {
         let Some(path) = self
@@ -225,7 +285,13 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
             if batch.num_rows() == 0 {
                 continue;
             }
-            let batch = conform(&batch, &self.arrow_schema, &self.label)?;
+            let batch = match self.bad_records {
+                BadRecords::Fail => conform(&batch, &self.arrow_schema, &self.label)?,
+                BadRecords::Skip => match self.salvage(&batch) {
+                    Some(good) => good,
+                    None => continue,
+                },
+            };
             match &self.splitter {
                 None => self.write_part(None, batch).await?,
                 Some(splitter) => {
