@@ -687,3 +687,90 @@ fn a_busy_chained_source_does_not_starve_periodic_checkpoints() {
         store.persisted_ids()
     );
 }
+
+/// A writer that buffers records and hands each checkpoint's records on as
+/// one committable: the runtime side of a parallel-writer sink.
+struct Buffering;
+
+struct Buffer(Vec<u64>);
+
+#[async_trait::async_trait]
+impl tinyflow_api::WriterFactory<u64, Vec<u64>> for Buffering {
+    async fn create(
+        &self,
+        _ctx: &tinyflow_api::OperatorContext,
+    ) -> tinyflow_api::StreamResult<Box<dyn tinyflow_api::Writer<u64, Vec<u64>>>> {
+        Ok(Box::new(Buffer(Vec::new())))
+    }
+}
+
+#[async_trait::async_trait]
+impl tinyflow_api::Writer<u64, Vec<u64>> for Buffer {
+    async fn write(&mut self, batch: Vec<u64>) -> tinyflow_api::StreamResult<()> {
+        self.0.extend(batch);
+        Ok(())
+    }
+
+    async fn flush(
+        &mut self,
+        _id: tinyflow_api::CheckpointId,
+    ) -> tinyflow_api::StreamResult<Vec<Vec<u64>>> {
+        Ok(if self.0.is_empty() {
+            Vec::new()
+        } else {
+            vec![std::mem::take(&mut self.0)]
+        })
+    }
+}
+
+/// Writers in front of a committing sink: what a writer flushes on barrier
+/// N reaches the sink before barrier N, so it is staged under N and
+/// committed once, whatever fails. Anything a writer held when it died is
+/// replayed from the source positions.
+#[tokio::test(start_paused = true)]
+async fn writer_stages_flush_ahead_of_the_barrier_and_commit_exactly_once() {
+    quiet_injected_panics();
+    for (writers, chaining, at_record) in [
+        (2, true, vec![150, 420]),
+        (2, false, vec![77]),
+        (1, true, vec![10, 300, 590]),
+    ] {
+        let plan = FailPlan::new(at_record.clone(), vec![]);
+        let sink = CollectingSink::<Vec<u64>>::new();
+        let job = JobBuilder::new(JobId::new("eo-writer").unwrap());
+        let input = partitions(2, 300);
+        job.source(
+            "numbers",
+            2,
+            VecSource::new(input.clone()).batch_size(7).pause(ms(1)),
+        )
+        .map("check", move |n: u64| {
+            plan.check();
+            n
+        })
+        .write("buffer", writers, Buffering)
+        .rebalance()
+        .sink("committer", 1, sink.clone());
+        let report = JobRunner::new(
+            job.build().unwrap(),
+            Arc::new(MemoryCheckpointStore::new()),
+            RuntimeConfig {
+                chaining,
+                ..config(20)
+            },
+        )
+        .run()
+        .await
+        .unwrap();
+        let got = sorted_u64(sink.committed().into_iter().flatten().collect());
+        assert_eq!(
+            got,
+            sorted_u64(input.into_iter().flatten().collect()),
+            "writers {writers}, chaining {chaining}"
+        );
+        assert!(
+            report.attempts > 1,
+            "failures were injected at {at_record:?}"
+        );
+    }
+}
