@@ -372,6 +372,51 @@ async fn a_lost_answer_is_caught_by_the_check_inside_the_retried_commit() {
     assert_eq!(snapshots(&table), 1);
 }
 
+/// The same commit path on iceberg's in-memory catalog: a crash before the
+/// commit, a lost answer, and a crash after it, each followed by recovery.
+#[tokio::test]
+async fn the_commit_path_holds_on_the_memory_catalog_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let faults = Faults::default();
+    faults.at(
+        CommitStep::BeforeUpdate { attempt: 0 },
+        Fault::Crash("before".into()),
+    );
+    let mut c = IcebergSinkConfig::new(
+        CatalogConfig::Memory {
+            name: "mem".into(),
+            warehouse: format!("file://{}", dir.path().display()),
+        },
+        NS,
+        TABLE,
+        "s",
+    )
+    .create_if_missing(table_spec());
+    c.orphan_min_age = None;
+    c.fault_hook = Some(faults.hook());
+    let mut d = Driver::new(c).await;
+    d.checkpoint(1, 0..30).await;
+    assert!(d.commit(1).await.is_err());
+    d.restore(1).await;
+    assert_eq!(ids(&d.table().await).await, range(0..30));
+
+    faults.at(CommitStep::AfterUpdate { attempt: 0 }, Fault::LoseResponse);
+    d.checkpoint(2, 30..60).await;
+    d.commit(2).await.unwrap();
+    assert_eq!(ids(&d.table().await).await, range(0..60));
+
+    faults.at(
+        CommitStep::AfterUpdate { attempt: 0 },
+        Fault::Crash("after".into()),
+    );
+    d.checkpoint(3, 60..90).await;
+    assert!(d.commit(3).await.is_err());
+    d.restore(3).await;
+    let table = d.table().await;
+    assert_eq!(ids(&table).await, range(0..90));
+    assert_eq!(snapshots(&table), 3);
+}
+
 /// Another sink appends between our refresh and our update: a real
 /// compare-and-swap conflict. The process dies during the retry; recovery
 /// commits our files once and keeps the other sink's.

@@ -299,10 +299,17 @@ async fn ensure_table(
 ) -> StreamResult<Table> {
     let what = format!("{}.{}", ident.namespace().to_url_string(), ident.name());
     let label = format!("iceberg sink {}", config.sink_id);
-    let exists = catalog
-        .table_exists(ident)
+    // Some catalogs (the in-memory one) answer "no such namespace" rather
+    // than "no such table".
+    let ns_exists = catalog
+        .namespace_exists(ident.namespace())
         .await
-        .map_err(|e| external(&label, format!("looking up table {what}"), &e))?;
+        .map_err(|e| external(&label, "looking up the namespace", &e))?;
+    let exists = ns_exists
+        && catalog
+            .table_exists(ident)
+            .await
+            .map_err(|e| external(&label, format!("looking up table {what}"), &e))?;
     if exists {
         return catalog
             .load_table(ident)
@@ -321,11 +328,7 @@ async fn ensure_table(
     let schema = iceberg_schema(spec)?;
     let partition = partition_spec(spec, &schema)?;
     let ns = ident.namespace();
-    if !catalog
-        .namespace_exists(ns)
-        .await
-        .map_err(|e| external(&label, "looking up the namespace", &e))?
-    {
+    if !ns_exists {
         match catalog.create_namespace(ns, HashMap::new()).await {
             Ok(Namespace { .. }) => {}
             Err(e) if e.kind() == ErrorKind::NamespaceAlreadyExists => {}
