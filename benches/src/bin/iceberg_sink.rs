@@ -4,7 +4,9 @@
 //!    closed at every checkpoint) and of writer plus committer (one commit
 //!    per checkpoint on a sqlite catalog), each divided by a bare arrow-rs
 //!    `ArrowWriter` loop writing the same batches with the same Parquet
-//!    settings and the same file boundaries;
+//!    settings and the same file boundaries, with and without an fsync per
+//!    file (the sink syncs every file it closes: iceberg's local storage
+//!    does, and a checkpoint must not refer to a file a crash can lose);
 //! 2. commit latency on the sqlite catalog (p50, p99, and how it moves as
 //!    the table's history grows);
 //! 3. snapshots and data files per hour at 1 s checkpoints, with a commit
@@ -150,8 +152,17 @@ fn is_boundary(i: usize, batch: usize, checkpoint_rows: usize) -> bool {
     (i + 1).is_multiple_of(per)
 }
 
-/// The bare loop: ArrowWriter into local files, a new file per checkpoint.
-fn bare(batches: &[RecordBatch], dir: &Path, a: &Args) -> Duration {
+/// The bare loop: ArrowWriter into local files, a new file per checkpoint;
+/// with `fsync`, each file is synced at close as the sink's files are (a
+/// file a checkpoint refers to must be durable before it completes).
+fn bare(batches: &[RecordBatch], dir: &Path, a: &Args, fsync: bool) -> Duration {
+    let finish = |w: ArrowWriter<File>| {
+        if fsync {
+            w.into_inner().unwrap().sync_all().unwrap();
+        } else {
+            w.close().unwrap();
+        }
+    };
     let started = Instant::now();
     let mut n = 0;
     let mut writer: Option<ArrowWriter<File>> = None;
@@ -163,11 +174,11 @@ fn bare(batches: &[RecordBatch], dir: &Path, a: &Args) -> Duration {
         });
         w.write(b).unwrap();
         if is_boundary(i, a.batch, a.checkpoint_rows) {
-            writer.take().unwrap().close().unwrap();
+            finish(writer.take().unwrap());
         }
     }
     if let Some(w) = writer {
-        w.close().unwrap();
+        finish(w);
     }
     started.elapsed()
 }
@@ -299,11 +310,15 @@ fn main() {
         bytes >> 20,
         a.checkpoint_rows
     );
-    let (mut bare_r, mut write_r, mut commit_r) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bare_r, mut synced_r, mut write_r, mut commit_r) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..a.repeat {
         let d = tempfile::tempdir().unwrap();
-        let t = bare(&batches, d.path(), &a);
+        let t = bare(&batches, d.path(), &a, false);
         bare_r.push(a.rows as f64 / t.as_secs_f64());
+        let d = tempfile::tempdir().unwrap();
+        let t = bare(&batches, d.path(), &a, true);
+        synced_r.push(a.rows as f64 / t.as_secs_f64());
         let d = tempfile::tempdir().unwrap();
         let t = rt.block_on(sink(&batches, d.path(), &a, false));
         write_r.push(a.rows as f64 / t.as_secs_f64());
@@ -311,23 +326,32 @@ fn main() {
         let t = rt.block_on(sink(&batches, d.path(), &a, true));
         commit_r.push(a.rows as f64 / t.as_secs_f64());
         eprintln!(
-            "round {round}: bare {:.2}M rows/s, writer {:.2}M, writer+commit {:.2}M",
+            "round {round}: bare {:.2}M rows/s, bare+fsync {:.2}M, writer {:.2}M, writer+commit {:.2}M",
             bare_r[round] / 1e6,
+            synced_r[round] / 1e6,
             write_r[round] / 1e6,
             commit_r[round] / 1e6
         );
     }
-    let (b, w, c) = (median(bare_r), median(write_r), median(commit_r));
-    println!("bare ArrowWriter loop      {:>6.2}M rows/s", b / 1e6);
+    let (b, f, w, c) = (
+        median(bare_r),
+        median(synced_r),
+        median(write_r),
+        median(commit_r),
+    );
+    println!("bare ArrowWriter loop            {:>6.2}M rows/s", b / 1e6);
+    println!("bare loop, files fsynced         {:>6.2}M rows/s", f / 1e6);
     println!(
-        "sink writer                {:>6.2}M rows/s   ratio {:.2}",
+        "sink writer                      {:>6.2}M rows/s   ratio {:.2} to bare, {:.2} to fsynced",
         w / 1e6,
-        w / b
+        w / b,
+        w / f
     );
     println!(
-        "sink writer + commit       {:>6.2}M rows/s   ratio {:.2}   (goal >= 0.9)",
+        "sink writer + commit             {:>6.2}M rows/s   ratio {:.2} to bare, {:.2} to fsynced   (goal >= 0.9)",
         c / 1e6,
-        c / b
+        c / b,
+        c / f
     );
 
     let small = batches[0].slice(0, 1_000.min(batches[0].num_rows()));
