@@ -316,12 +316,13 @@ impl<T: Data> Stream<T> {
         factory: impl OperatorFactory + 'static,
     ) -> Stream<U> {
         let parallelism = self.graph.borrow().nodes[self.node].parallelism;
-        let node = add_node(
-            &self.graph,
-            name,
-            parallelism,
-            NodeKind::Operator(Box::new(factory)),
-        );
+        self.connect(name, parallelism, NodeKind::Operator(Box::new(factory)))
+    }
+
+    /// Adds a node fed by this stream (with the partitioning set on it) and
+    /// returns the node's output stream.
+    fn connect<U: Data>(self, name: &str, parallelism: usize, kind: NodeKind) -> Stream<U> {
+        let node = add_node(&self.graph, name, parallelism, kind);
         self.graph
             .borrow_mut()
             .edges
@@ -438,27 +439,14 @@ impl<T: Data> Stream<T> {
         factory: impl crate::WriterFactory<T, C> + 'static,
     ) -> Stream<C> {
         let kind = NodeKind::Writer(Box::new(TypedWriterFactory(factory, PhantomData)));
-        let node = add_node(&self.graph, name, parallelism, kind);
-        self.graph
-            .borrow_mut()
-            .edges
-            .push((self.node, node, self.next));
-        Stream {
-            graph: self.graph,
-            node,
-            next: None,
-            _t: PhantomData,
-        }
+        self.connect(name, parallelism, kind)
     }
 
     /// Ends the stream in a two-phase-commit sink with `parallelism` subtasks.
     pub fn sink(self, name: &str, parallelism: usize, factory: impl SinkFactory<T> + 'static) {
         let kind = NodeKind::Sink(Box::new(TypedSinkFactory(factory, PhantomData)));
-        let node = add_node(&self.graph, name, parallelism, kind);
-        self.graph
-            .borrow_mut()
-            .edges
-            .push((self.node, node, self.next));
+        // A sink has no output: the handle on it is dropped.
+        let _: Stream<T> = self.connect(name, parallelism, kind);
     }
 }
 
