@@ -202,6 +202,21 @@ impl SinkTable {
     }
 }
 
+/// The table property holding `sink_id`'s last committed checkpoint id.
+pub fn committed_property(sink_id: &str) -> String {
+    format!("tinyflow.sink.{sink_id}.checkpoint-id")
+}
+
+/// What `table` holds of the checkpoints `low..=high` of `sink_id`: all
+/// of them, some of them, or none (`None`).
+pub(crate) fn observe(table: &Table, sink_id: &str, low: u64, high: u64) -> Option<Observed> {
+    match committed_id(table, sink_id) {
+        Some(c) if c >= high => Some(Observed::AlreadyCommitted(c)),
+        Some(c) if c >= low => Some(Observed::Partly(c)),
+        _ => None,
+    }
+}
+
 /// The highest checkpoint id `sink_id` committed to `table`: the larger of
 /// the table property (which survives snapshot expiry) and the newest
 /// snapshot of the sink in the current branch's history.
@@ -209,7 +224,7 @@ pub fn committed_id(table: &Table, sink_id: &str) -> Option<u64> {
     let metadata = table.metadata();
     let from_property = metadata
         .properties()
-        .get(&format!("tinyflow.sink.{sink_id}.checkpoint-id"))
+        .get(&committed_property(sink_id))
         .and_then(|v| v.parse::<u64>().ok());
     let mut from_history = None;
     let mut next = metadata.current_snapshot().cloned();
@@ -545,22 +560,15 @@ impl Catalog for GuardedCatalog<'_> {
             return Err(self.stop(Observed::Crashed, why));
         }
         let (low, high) = self.range;
-        match committed_id(&table, self.sink_id) {
-            Some(c) if c >= high => Err(self.stop(
-                Observed::AlreadyCommitted(c),
+        match observe(&table, self.sink_id, low, high) {
+            Some(seen) => Err(self.stop(
+                seen,
                 format!(
-                    "sink {} already committed checkpoint {c} >= {high}",
+                    "sink {} already committed {seen:?} of checkpoints {low}..={high}",
                     self.sink_id
                 ),
             )),
-            Some(c) if c >= low => Err(self.stop(
-                Observed::Partly(c),
-                format!(
-                    "sink {} already committed checkpoint {c}, inside {low}..={high}",
-                    self.sink_id
-                ),
-            )),
-            _ => Ok(table),
+            None => Ok(table),
         }
     }
 

@@ -13,7 +13,7 @@ use tinyflow_api::{
 
 use crate::catalog::{
     GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, SinkTable,
-    committed_id, external,
+    external, observe,
 };
 use crate::writer::DataFileMeta;
 
@@ -268,10 +268,8 @@ impl Committer {
         let (low, high) = (ids[0], ids[ids.len() - 1]);
         let table = self.table.load().await?;
         // A fast check first: no transaction needed when all is committed.
-        match committed_id(&table, &config.sink_id) {
-            Some(c) if c >= high => return Ok(Some(Observed::AlreadyCommitted(c))),
-            Some(c) if c >= low => return Ok(Some(Observed::Partly(c))),
-            _ => {}
+        if let Some(seen) = observe(&table, &config.sink_id, low, high) {
+            return Ok(Some(seen));
         }
         let metadata = table.metadata();
         let schema = metadata.current_schema();

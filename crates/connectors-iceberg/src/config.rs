@@ -508,7 +508,7 @@ impl IcebergSinkConfig {
 
     /// The table property holding this sink's last committed checkpoint id.
     pub fn committed_property(&self) -> String {
-        format!("tinyflow.sink.{}.checkpoint-id", self.sink_id)
+        crate::catalog::committed_property(&self.sink_id)
     }
 
     /// Checks every setting; the error names the key.

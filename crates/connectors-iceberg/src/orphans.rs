@@ -6,7 +6,6 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use iceberg::spec::ManifestList;
 use tinyflow_api::{StreamError, StreamResult};
 
 use crate::catalog::{SinkTable, external};
@@ -35,15 +34,14 @@ async fn referenced(table: &iceberg::table::Table, label: &str) -> StreamResult<
     let mut paths = HashSet::new();
     let mut manifests = HashSet::new();
     for snapshot in metadata.snapshots() {
-        let list_path = snapshot.manifest_list();
-        let bytes = io
-            .new_input(list_path)
-            .map_err(|e| external(label, format!("opening manifest list {list_path}"), &e))?
-            .read()
+        let list = table
+            .manifest_list_reader(snapshot)
+            .load()
             .await
-            .map_err(|e| external(label, format!("reading manifest list {list_path}"), &e))?;
-        let list = ManifestList::parse_with_version(&bytes, metadata.format_version())
-            .map_err(|e| external(label, format!("parsing manifest list {list_path}"), &e))?;
+            .map_err(|e| {
+                let path = snapshot.manifest_list();
+                external(label, format!("reading manifest list {path}"), &e)
+            })?;
         for manifest in list.entries() {
             if !manifests.insert(manifest.manifest_path.clone()) {
                 continue;
