@@ -160,6 +160,13 @@ impl Faults {
         self.seen.lock().unwrap().clone()
     }
 
+    /// `config(dir, sink_id)` with this hook.
+    fn config(&self, dir: &Path, sink_id: &str) -> IcebergSinkConfig {
+        let mut c = config(dir, sink_id);
+        c.fault_hook = Some(self.hook());
+        c
+    }
+
     fn hook(&self) -> FaultHook {
         let me = self.clone();
         Arc::new(move |step| {
@@ -297,9 +304,7 @@ async fn a_crash_before_the_commit_then_recovery_commits_once() {
         CommitStep::BeforeUpdate { attempt: 0 },
         Fault::Crash("before".into()),
     );
-    let mut c = config(dir.path(), "s");
-    c.fault_hook = Some(faults.hook());
-    let mut d = Driver::new(c).await;
+    let mut d = Driver::new(faults.config(dir.path(), "s")).await;
     d.checkpoint(1, 0..100).await;
     let err = d.commit(1).await.unwrap_err().to_string();
     assert!(err.contains("injected crash"), "{err}");
@@ -324,9 +329,7 @@ async fn a_crash_after_the_commit_before_anyone_learns_of_it_is_not_committed_tw
         CommitStep::AfterUpdate { attempt: 0 },
         Fault::Crash("after".into()),
     );
-    let mut c = config(dir.path(), "s");
-    c.fault_hook = Some(faults.hook());
-    let mut d = Driver::new(c).await;
+    let mut d = Driver::new(faults.config(dir.path(), "s")).await;
     d.checkpoint(1, 0..100).await;
     assert!(d.commit(1).await.is_err());
     let committed = d.table().await;
@@ -355,9 +358,7 @@ async fn a_lost_answer_is_caught_by_the_check_inside_the_retried_commit() {
     let dir = tempfile::tempdir().unwrap();
     let faults = Faults::default();
     faults.at(CommitStep::AfterUpdate { attempt: 0 }, Fault::LoseResponse);
-    let mut c = config(dir.path(), "s");
-    c.fault_hook = Some(faults.hook());
-    let mut d = Driver::new(c).await;
+    let mut d = Driver::new(faults.config(dir.path(), "s")).await;
     d.checkpoint(1, 0..100).await;
     d.commit(1).await.unwrap();
     assert!(
@@ -475,9 +476,8 @@ async fn an_unavailable_catalog_is_retried_then_fails_with_the_data_safe_in_the_
     for _ in 0..2 {
         faults.at(CommitStep::BeforeUpdate { attempt: 0 }, Fault::Unavailable);
     }
-    let mut c = config(dir.path(), "s");
+    let mut c = faults.config(dir.path(), "s");
     c.commit_attempts = 3;
-    c.fault_hook = Some(faults.hook());
     let mut d = Driver::new(c).await;
     d.checkpoint(1, 0..10).await;
     d.commit(1).await.unwrap();
@@ -546,9 +546,7 @@ async fn snapshot_expiry_before_recovery_does_not_break_dedupe() {
         CommitStep::AfterUpdate { attempt: 0 },
         Fault::Crash("after".into()),
     );
-    let mut c = config(dir.path(), "a");
-    c.fault_hook = Some(faults.hook());
-    let mut a = Driver::new(c).await;
+    let mut a = Driver::new(faults.config(dir.path(), "a")).await;
     a.checkpoint(1, 0..40).await;
     assert!(a.commit(1).await.is_err());
     let mut b = Driver::new(config(dir.path(), "b")).await;
@@ -878,20 +876,7 @@ fn pyiceberg_read(dir: &Path) -> serde_json::Value {
 const INJECTED: &str = "injected iceberg job failure";
 
 fn quiet_injected_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let msg = info
-                .payload()
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .unwrap_or("");
-            if !msg.contains(INJECTED) {
-                default(info);
-            }
-        }));
-    });
+    tinyflow_tests::quiet_panics_containing(INJECTED);
 }
 
 /// Runs source -> map (panics at the given batch counts) -> iceberg sink.

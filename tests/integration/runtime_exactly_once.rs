@@ -63,20 +63,7 @@ impl FailPlan {
 }
 
 fn quiet_injected_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let msg = info
-                .payload()
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .unwrap_or("");
-            if !msg.contains(INJECTED) {
-                default(info);
-            }
-        }));
-    });
+    tinyflow_tests::quiet_panics_containing(INJECTED);
 }
 
 fn config(interval_ms: u64) -> RuntimeConfig {
