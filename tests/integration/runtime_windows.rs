@@ -1,16 +1,20 @@
 //! Event-time windows through the runtime: results match a direct
 //! computation, late records go to the side output (within the allowed
 //! lateness they update their window instead), and window results survive
-//! failures and restore unchanged.
+//! failures and restore unchanged. An idle source subtask does not hold
+//! event time back.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
-use tinyflow_api::{JobBuilder, JobId, TumblingWindows};
+use tinyflow_api::{
+    CheckpointId, JobBuilder, JobId, OperatorContext, Sink, SinkFactory, SinkRestore, Source,
+    SourceFactory, SourceWatermark, StreamResult, TumblingWindows,
+};
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::{SplitMix64, ms};
@@ -211,4 +215,135 @@ async fn window_results_survive_failures_unchanged() {
         by_ts(disturbed.late.committed()),
         by_ts(undisturbed.late.committed())
     );
+}
+
+/// Subtask 0 reads `ts` 1..=100 and reports each as its watermark; subtask
+/// 1 reads nothing and reports `quiet` until the sink saw watermark 100 or a
+/// second passed.
+struct QuietSource {
+    quiet: SourceWatermark,
+    seen: Arc<Mutex<Vec<i64>>>,
+}
+
+struct QuietReader {
+    subtask: usize,
+    next: i64,
+    quiet: SourceWatermark,
+    seen: Arc<Mutex<Vec<i64>>>,
+    started: tokio::time::Instant,
+}
+
+impl SourceFactory<i64> for QuietSource {
+    fn create(
+        &self,
+        ctx: &OperatorContext,
+        _restored: &[Vec<u8>],
+    ) -> StreamResult<Box<dyn Source<i64>>> {
+        Ok(Box::new(QuietReader {
+            subtask: ctx.subtask,
+            next: 1,
+            quiet: self.quiet,
+            seen: Arc::clone(&self.seen),
+            started: tokio::time::Instant::now(),
+        }))
+    }
+}
+
+#[async_trait::async_trait]
+impl Source<i64> for QuietReader {
+    async fn next_batch(&mut self) -> StreamResult<Option<Vec<i64>>> {
+        tokio::time::sleep(ms(1)).await;
+        if self.subtask == 0 {
+            if self.next > 100 {
+                return Ok(None);
+            }
+            self.next += 1;
+            return Ok(Some(vec![self.next - 1]));
+        }
+        let reached = self.seen.lock().unwrap().contains(&100);
+        if reached || self.started.elapsed() > Duration::from_secs(1) {
+            return Ok(None);
+        }
+        Ok(Some(Vec::new()))
+    }
+
+    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+        Ok(Vec::new())
+    }
+
+    fn watermark(&self) -> SourceWatermark {
+        if self.subtask == 0 {
+            SourceWatermark::At(self.next - 1)
+        } else {
+            self.quiet
+        }
+    }
+}
+
+/// Records the watermarks it is told about.
+struct WatermarkSink(Arc<Mutex<Vec<i64>>>);
+
+#[async_trait::async_trait]
+impl SinkFactory<i64> for WatermarkSink {
+    async fn create(
+        &self,
+        _ctx: &OperatorContext,
+        _restored: Option<SinkRestore<'_>>,
+    ) -> StreamResult<Box<dyn Sink<i64>>> {
+        Ok(Box::new(WatermarkSink(Arc::clone(&self.0))))
+    }
+}
+
+#[async_trait::async_trait]
+impl Sink<i64> for WatermarkSink {
+    async fn write(&mut self, _batch: Vec<i64>) -> StreamResult<()> {
+        Ok(())
+    }
+    async fn prepare_commit(&mut self, _id: CheckpointId) -> StreamResult<Vec<u8>> {
+        Ok(Vec::new())
+    }
+    async fn commit(&mut self, _id: CheckpointId) -> StreamResult<()> {
+        Ok(())
+    }
+    fn on_watermark(&mut self, watermark: i64) {
+        self.0.lock().unwrap().push(watermark);
+    }
+}
+
+/// The watermarks the sink saw before the final one, running the quiet
+/// source with `quiet` through a map (chained to the source) and a shuffle.
+async fn watermarks_with_a_quiet_subtask(quiet: SourceWatermark) -> Vec<i64> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let job = JobBuilder::new(JobId::new("quiet").unwrap());
+    job.source(
+        "numbers",
+        2,
+        QuietSource {
+            quiet,
+            seen: Arc::clone(&seen),
+        },
+    )
+    .map("same", |x: i64| x)
+    .rebalance()
+    .sink("watermarks", 1, WatermarkSink(Arc::clone(&seen)));
+    JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        config(),
+    )
+    .run()
+    .await
+    .unwrap();
+    let seen = seen.lock().unwrap().clone();
+    seen.into_iter().filter(|w| *w != i64::MAX).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_source_subtask_does_not_hold_event_time_back() {
+    let idle = watermarks_with_a_quiet_subtask(SourceWatermark::Idle).await;
+    assert_eq!(idle.last(), Some(&100), "{idle:?}");
+    assert!(idle.windows(2).all(|w| w[0] < w[1]), "{idle:?}");
+    // The same quiet subtask, not saying it is idle, holds the minimum.
+    let silent = watermarks_with_a_quiet_subtask(SourceWatermark::At(i64::MIN)).await;
+    assert!(silent.iter().all(|w| *w == i64::MIN), "{silent:?}");
 }

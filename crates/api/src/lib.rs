@@ -52,6 +52,6 @@ pub use job::{
 pub use operator::{
     Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory,
     ErasedWriter, ErasedWriterFactory, Operator, OperatorContext, OperatorFactory, OperatorState,
-    Sink, SinkFactory, SinkRestore, Source, SourceFactory, Writer, WriterFactory,
+    Sink, SinkFactory, SinkRestore, Source, SourceFactory, SourceWatermark, Writer, WriterFactory,
 };
 pub use window::{TumblingWindows, Window, WindowOutput, WindowedStream};

@@ -125,6 +125,25 @@ pub trait Source<T: Data>: Send {
     async fn checkpoint_complete(&mut self, _id: CheckpointId) -> StreamResult<()> {
         Ok(())
     }
+
+    /// Event-time progress, asked after every call to `next_batch`. The
+    /// default tracks no event time.
+    fn watermark(&self) -> SourceWatermark {
+        SourceWatermark::None
+    }
+}
+
+/// Event-time progress of a source subtask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceWatermark {
+    /// The source tracks no event time.
+    None,
+    /// No record with an event time before this will follow.
+    At(i64),
+    /// The source has had no data for a while: operators downstream combine
+    /// the watermarks of their other inputs without waiting for this one
+    /// until it reports a watermark again.
+    Idle,
 }
 
 /// Creates a source's instances.
@@ -280,6 +299,8 @@ pub trait ErasedSource: Send {
     fn snapshot(&mut self) -> StreamResult<Vec<u8>>;
     /// See [`Source::checkpoint_complete`].
     async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()>;
+    /// See [`Source::watermark`].
+    fn watermark(&self) -> SourceWatermark;
 }
 
 /// [`SourceFactory`] with the record type erased.
@@ -336,6 +357,10 @@ impl<T: Data> ErasedSource for TypedSource<T> {
 
     async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()> {
         self.0.checkpoint_complete(id).await
+    }
+
+    fn watermark(&self) -> SourceWatermark {
+        self.0.watermark()
     }
 }
 

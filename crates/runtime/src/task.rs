@@ -30,6 +30,7 @@ use std::task::Poll;
 
 use tinyflow_api::{
     AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, ErasedWriter, FromTask,
+    SourceWatermark,
     Operator, Partitioning, TaskId, ToTask,
 };
 use tinyflow_checkpoint::CoordinatorHandle;
@@ -46,6 +47,9 @@ pub enum Message {
     Barrier(CheckpointId),
     /// Event time up to which the upstream subtask will send no more records.
     Watermark(i64),
+    /// The upstream subtask went idle (`true`): combine watermarks without
+    /// it until it sends `Idle(false)` or a watermark.
+    Idle(bool),
     /// The upstream subtask will send no more records (barriers may follow).
     EndOfData,
 }
@@ -374,6 +378,7 @@ pub(crate) async fn run_source(
 ) -> Result<(), TaskError> {
     let mut ended = false;
     let mut records = 0u64;
+    let mut progress = SourceProgress::default();
     loop {
         tokio::select! {
             biased;
@@ -393,7 +398,10 @@ pub(crate) async fn run_source(
                 Some(batch) => {
                     records += batch.len() as u64;
                     head.records_out.increment(batch.len() as u64);
-                    chain.push(&mut io, Emitted::Batch(batch)).await?;
+                    if !batch.is_empty() {
+                        chain.push(&mut io, Emitted::Batch(batch)).await?;
+                    }
+                    progress.report(&mut io, &mut chain, head.source.watermark()).await?;
                     // A source that always has data, chained to a sink that
                     // never waits, would otherwise never yield: the driver
                     // (and its checkpoint timer) would starve on a
@@ -414,6 +422,45 @@ pub(crate) async fn run_source(
     Ok(())
 }
 
+/// What a source task last told downstream about event time.
+#[derive(Default)]
+struct SourceProgress {
+    emitted: Option<i64>,
+    idle: bool,
+}
+
+impl SourceProgress {
+    /// Passes the source's event-time progress on when it changed.
+    async fn report(
+        &mut self,
+        io: &mut TaskIo,
+        chain: &mut Chain,
+        now: SourceWatermark,
+    ) -> Result<(), TaskError> {
+        match now {
+            SourceWatermark::None => Ok(()),
+            SourceWatermark::Idle => {
+                if !self.idle {
+                    self.idle = true;
+                    io.broadcast(|| Message::Idle(true)).await?;
+                }
+                Ok(())
+            }
+            SourceWatermark::At(w) => {
+                if self.idle {
+                    self.idle = false;
+                    io.broadcast(|| Message::Idle(false)).await?;
+                }
+                if self.emitted.is_none_or(|e| w > e) {
+                    self.emitted = Some(w);
+                    chain.push(io, Emitted::Watermark(w)).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(), TaskError> {
     let n = io.inputs.len();
     let mut held = vec![false; n];
@@ -425,8 +472,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
     let mut inputs_done = n == 0;
     let mut control_open = true;
     let mut finished = false;
-    let mut watermarks = vec![i64::MIN; n];
-    let mut watermark = i64::MIN;
+    let mut time = InputTime::new(n);
     let mut records_in = 0u64;
     loop {
         let inputs = &mut io.inputs;
@@ -469,8 +515,11 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
                 }
                 Some((i, Message::Watermark(w))) => {
                     next = i + 1;
-                    watermarks[i] = watermarks[i].max(w);
-                    advance(&mut io, &mut chain, &watermarks, &mut watermark).await?;
+                    time.watermark(i, w, &mut io, &mut chain).await?;
+                }
+                Some((i, Message::Idle(now))) => {
+                    next = i + 1;
+                    time.idle(i, now, &mut io, &mut chain).await?;
                 }
                 Some((i, Message::Barrier(id))) => {
                     if let Some(current) = aligning && current != id {
@@ -495,8 +544,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
                 Some((i, Message::EndOfData)) => {
                     ended[i] = true;
                     // An ended input holds no event time back.
-                    watermarks[i] = i64::MAX;
-                    advance(&mut io, &mut chain, &watermarks, &mut watermark).await?;
+                    time.watermark(i, i64::MAX, &mut io, &mut chain).await?;
                     if ended.iter().all(|e| *e) {
                         chain.finish(&mut io).await?;
                         finished = true;
@@ -517,18 +565,78 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
     Ok(())
 }
 
-/// Pushes the combined (minimum) watermark of the inputs through the chain
-/// when it advanced.
-async fn advance(
-    io: &mut TaskIo,
-    chain: &mut Chain,
-    watermarks: &[i64],
-    current: &mut i64,
-) -> Result<(), TaskError> {
-    let combined = watermarks.iter().copied().min().unwrap_or(i64::MAX);
-    if combined <= *current {
-        return Ok(());
+/// The event time of a task's inputs.
+struct InputTime {
+    /// The latest watermark of each input (`i64::MAX` once it ended).
+    watermarks: Vec<i64>,
+    /// Whether each input said it is idle.
+    idle: Vec<bool>,
+    /// The watermark passed on so far.
+    current: i64,
+    /// Whether this task told its outputs it is idle.
+    idle_out: bool,
+}
+
+impl InputTime {
+    fn new(n: usize) -> Self {
+        InputTime {
+            watermarks: vec![i64::MIN; n],
+            idle: vec![false; n],
+            current: i64::MIN,
+            idle_out: false,
+        }
     }
-    *current = combined;
-    chain.push(io, Emitted::Watermark(combined)).await
+
+    /// Input `i` reached `watermark` (and is not idle).
+    async fn watermark(
+        &mut self,
+        i: usize,
+        watermark: i64,
+        io: &mut TaskIo,
+        chain: &mut Chain,
+    ) -> Result<(), TaskError> {
+        self.watermarks[i] = self.watermarks[i].max(watermark);
+        self.idle[i] = false;
+        self.advance(io, chain).await
+    }
+
+    /// Input `i` went idle or came back.
+    async fn idle(
+        &mut self,
+        i: usize,
+        idle: bool,
+        io: &mut TaskIo,
+        chain: &mut Chain,
+    ) -> Result<(), TaskError> {
+        self.idle[i] = idle;
+        self.advance(io, chain).await
+    }
+
+    /// Passes on the combined watermark when it advanced: the minimum over
+    /// the inputs that are not idle. When every input still sending is
+    /// idle, the task tells its outputs it is idle too, and that it is
+    /// back when one of them is.
+    async fn advance(&mut self, io: &mut TaskIo, chain: &mut Chain) -> Result<(), TaskError> {
+        let active = || {
+            self.watermarks
+                .iter()
+                .zip(&self.idle)
+                .filter(|(w, idle)| !**idle || **w == i64::MAX)
+                .map(|(w, _)| *w)
+        };
+        let all_idle = active().all(|w| w == i64::MAX) && self.idle.iter().any(|i| *i);
+        if all_idle != self.idle_out {
+            self.idle_out = all_idle;
+            io.broadcast(|| Message::Idle(all_idle)).await?;
+        }
+        if all_idle {
+            return Ok(());
+        }
+        let combined = active().min().unwrap_or(i64::MAX);
+        if combined <= self.current {
+            return Ok(());
+        }
+        self.current = combined;
+        chain.push(io, Emitted::Watermark(combined)).await
+    }
 }
