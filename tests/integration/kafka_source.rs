@@ -1,7 +1,8 @@
 //! The Kafka source against a real Apache Kafka broker (started by
 //! `cargo xtask ci`, address in `KAFKA_BOOTSTRAP`): exactly-once replay
 //! from checkpoint offsets across failures, rescaling over partitions, bad
-//! records, unknown topics, and consumer-group offsets for monitoring.
+//! records, unknown topics, consumer-group offsets for monitoring, and
+//! per-partition watermarks with an idle partition.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,13 +10,18 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
-use tinyflow_api::{JobBuilder, JobId, StreamError};
+use tinyflow_api::{
+    JobBuilder, JobId, OperatorContext, Source, SourceFactory, SourceWatermark, StreamError,
+};
 use tinyflow_checkpoint::CheckpointConfig;
-use tinyflow_connectors_kafka::testing::{bootstrap, committed_offsets, create_topic, produce};
+use tinyflow_connectors_kafka::testing::{
+    bootstrap, committed_offsets, create_topic, produce, produce_timed,
+};
 use tinyflow_connectors_kafka::{
-    BadRecordPolicy, Format, KafkaRecord, KafkaSource, KafkaSourceConfig,
+    BadRecordPolicy, EventTime, Format, KafkaRecord, KafkaSource, KafkaSourceConfig,
 };
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
+use tokio::time::Instant;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Rec {
@@ -304,4 +310,119 @@ async fn unknown_topic_is_a_clear_error() {
         matches!(err, Error::JobFailed { attempts: 1, .. }),
         "not retried: {err:?}"
     );
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Timed {
+    id: u64,
+    ts: i64,
+}
+
+/// What one subtask reading a topic reports about event time.
+struct Watch {
+    reader: Box<dyn Source<KafkaRecord<Timed>>>,
+    started: Instant,
+    read: usize,
+}
+
+impl Watch {
+    /// Reads until `stop` holds for the records read and the watermark (or
+    /// 20 s pass), checking
+    /// `invariant` on every (seconds since start, watermark) seen.
+    async fn until(
+        &mut self,
+        stop: impl Fn(usize, SourceWatermark) -> bool,
+        invariant: impl Fn(f64, SourceWatermark) -> Result<(), String>,
+    ) -> SourceWatermark {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let batch = self.reader.next_batch().await.unwrap().unwrap();
+            self.read += batch.len();
+            let w = self.reader.watermark();
+            invariant(self.started.elapsed().as_secs_f64(), w).unwrap();
+            if stop(self.read, w) {
+                return w;
+            }
+            assert!(Instant::now() < deadline, "still at {w:?} after 20 s");
+        }
+    }
+}
+
+/// Two partitions, one quiet: the watermark waits for the quiet one until
+/// the idle timeout, then follows the other; once both have data it is
+/// their minimum; once both are quiet the subtask reports itself idle.
+/// The records' Kafka timestamps are an hour ahead of their `ts` field, so
+/// the two ways of reading event time give different watermarks.
+async fn quiet_partition_scenario(event_time: EventTime<Timed>, uses_field: bool) {
+    const IDLE: Duration = Duration::from_secs(1);
+    const LATE: i64 = 10;
+    let shift = 3_600_000i64;
+    let base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+        - 2 * shift;
+    // The event time the source should see for a record of field time `ts`.
+    let seen = |ts: i64| if uses_field { ts } else { ts + shift };
+    let record = |id: u64, p: i32, ts: i64| {
+        (
+            p,
+            ts + shift,
+            serde_json::to_vec(&Timed { id, ts }).unwrap(),
+        )
+    };
+    let topic = fresh_topic("event-time");
+    create_topic(&bootstrap(), &topic, 2).await.unwrap();
+    let first: Vec<_> = (0..100).map(|i| record(i, 0, base + i as i64)).collect();
+    produce_timed(&bootstrap(), &topic, &first).unwrap();
+
+    let mut config = KafkaSourceConfig::new(bootstrap(), &[&topic], fresh_topic("group"));
+    config.commit_offsets = false;
+    let source = KafkaSource::new(config, Format::<Timed>::json()).with_event_time(
+        event_time
+            .max_out_of_orderness(Duration::from_millis(LATE as u64))
+            .idle_timeout(Some(IDLE)),
+    );
+    let started = Instant::now();
+    let ctx = OperatorContext {
+        name: "kafka".into(),
+        subtask: 0,
+        parallelism: 1,
+        max_parallelism: 128,
+    };
+    let mut watch = Watch {
+        reader: source.create(&ctx, &[]).unwrap(),
+        started,
+        read: 0,
+    };
+    // Partition 1 holds the watermark at its start until it is idle.
+    let after_idle = watch
+        .until(
+            |_, w| w == SourceWatermark::At(seen(base + 99) - LATE),
+            |secs, w| {
+                if secs < IDLE.as_secs_f64() && w != SourceWatermark::At(i64::MIN) {
+                    return Err(format!("{w:?} at {secs:.3} s, before partition 1 was idle"));
+                }
+                Ok(())
+            },
+        )
+        .await;
+    assert_eq!(watch.read, 100);
+    assert!(started.elapsed() >= IDLE, "{after_idle:?} too early");
+
+    // Both partitions get data: the watermark is their minimum.
+    let second = vec![record(100, 0, base + 2_000), record(101, 1, base + 1_500)];
+    produce_timed(&bootstrap(), &topic, &second).unwrap();
+    let both = watch.until(|read, _| read == 102, |_, _| Ok(())).await;
+    assert_eq!(both, SourceWatermark::At(seen(base + 1_500) - LATE));
+    // Both quiet: the subtask is idle.
+    watch
+        .until(|_, w| w == SourceWatermark::Idle, |_, _| Ok(()))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watermarks_per_partition_with_an_idle_partition() {
+    quiet_partition_scenario(EventTime::record_timestamp(), false).await;
+    quiet_partition_scenario(EventTime::field(|t: &Timed| Some(t.ts)), true).await;
 }

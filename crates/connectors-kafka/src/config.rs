@@ -90,6 +90,87 @@ impl<V: DeserializeOwned + 'static> Format<V> {
     }
 }
 
+type TimeFn<V> = Arc<dyn Fn(&V) -> Option<i64> + Send + Sync>;
+
+/// Where a record's event time comes from, and how watermarks follow it.
+///
+/// Each partition's watermark trails the highest event time read from it by
+/// `max_out_of_orderness`; the source's watermark is the minimum over its
+/// partitions, leaving out those that had no record for `idle_timeout` (so
+/// one quiet partition does not stall event time) and those a bounded read
+/// finished. A subtask whose partitions are all idle tells the operators
+/// downstream it is idle. Records without an event time (no broker
+/// timestamp, or the field function returns `None`) pass through without
+/// moving the watermark.
+pub struct EventTime<V> {
+    pub(crate) from: Option<TimeFn<V>>,
+    pub(crate) max_out_of_orderness: i64,
+    pub(crate) idle_timeout: Option<Duration>,
+}
+
+impl<V> Clone for EventTime<V> {
+    fn clone(&self) -> Self {
+        EventTime {
+            from: self.from.clone(),
+            max_out_of_orderness: self.max_out_of_orderness,
+            idle_timeout: self.idle_timeout,
+        }
+    }
+}
+
+impl<V> fmt::Debug for EventTime<V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventTime")
+            .field(
+                "from",
+                &if self.from.is_some() {
+                    "field"
+                } else {
+                    "record timestamp"
+                },
+            )
+            .field("max_out_of_orderness_ms", &self.max_out_of_orderness)
+            .field("idle_timeout", &self.idle_timeout)
+            .finish()
+    }
+}
+
+impl<V> EventTime<V> {
+    /// The default idle timeout.
+    pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// Event time is the record's Kafka timestamp (ms since the epoch).
+    pub fn record_timestamp() -> Self {
+        EventTime {
+            from: None,
+            max_out_of_orderness: 0,
+            idle_timeout: Some(Self::DEFAULT_IDLE_TIMEOUT),
+        }
+    }
+
+    /// Event time is read from the decoded value (ms since the epoch).
+    pub fn field(from: impl Fn(&V) -> Option<i64> + Send + Sync + 'static) -> Self {
+        EventTime {
+            from: Some(Arc::new(from)),
+            ..Self::record_timestamp()
+        }
+    }
+
+    /// How far behind the highest event time of a partition its records may
+    /// arrive without being late (default 0).
+    pub fn max_out_of_orderness(mut self, bound: Duration) -> Self {
+        self.max_out_of_orderness = i64::try_from(bound.as_millis()).unwrap_or(i64::MAX);
+        self
+    }
+
+    /// A partition with no record for this long stops holding the watermark
+    /// back (default 10 s; `None`: never).
+    pub fn idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+}
+
 /// How a [`KafkaSource`](crate::KafkaSource) connects and reads.
 #[derive(Clone)]
 pub struct KafkaSourceConfig {

@@ -15,11 +15,16 @@
 //! offset, timestamp, key and headers. A record that does not decode goes to
 //! the [`BadRecordPolicy`]: fail with the topic, partition, offset and
 //! reason, or skip it (counted).
+//!
+//! With [`KafkaSource::with_event_time`] the source reads event time from
+//! record timestamps or a field of the value and reports a watermark per
+//! partition, combined by minimum; a partition quiet for the idle timeout
+//! stops holding it back ([`EventTime`]).
 
 mod config;
 mod source;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use config::{BadRecordPolicy, Format, KafkaSourceConfig, StartPosition};
+pub use config::{BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition};
 pub use source::{KafkaRecord, KafkaSource};

@@ -8,10 +8,14 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tinyflow_api::{
-    CheckpointId, OperatorContext, Source, SourceFactory, StreamError, StreamResult,
+    CheckpointId, OperatorContext, Source, SourceFactory, SourceWatermark, StreamError,
+    StreamResult,
 };
+use tokio::time::Instant;
 
-use crate::config::{BadRecordPolicy, Format, KafkaSourceConfig, StartPosition, is_secret};
+use crate::config::{
+    BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition, is_secret,
+};
 
 /// One Kafka record with its decoded value.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,12 +41,25 @@ pub struct KafkaRecord<V> {
 pub struct KafkaSource<V> {
     config: KafkaSourceConfig,
     format: Format<V>,
+    event_time: Option<EventTime<V>>,
 }
 
 impl<V> KafkaSource<V> {
-    /// A source with `config`, decoding values with `format`.
+    /// A source with `config`, decoding values with `format`, tracking no
+    /// event time.
     pub fn new(config: KafkaSourceConfig, format: Format<V>) -> Self {
-        KafkaSource { config, format }
+        KafkaSource {
+            config,
+            format,
+            event_time: None,
+        }
+    }
+
+    /// Tracks event time and reports per-partition watermarks, combined by
+    /// minimum (see [`EventTime`]).
+    pub fn with_event_time(mut self, event_time: EventTime<V>) -> Self {
+        self.event_time = Some(event_time);
+        self
     }
 }
 
@@ -301,6 +318,19 @@ impl<V: tinyflow_api::Data> SourceFactory<KafkaRecord<V>> for KafkaSource<V> {
         let labels = [("operator", ctx.name.clone())];
         let mut topics: Vec<Arc<str>> = owned.iter().map(|(t, _)| Arc::clone(t)).collect();
         topics.dedup();
+        let now = Instant::now();
+        let times = owned
+            .iter()
+            .map(|p| {
+                (
+                    p.clone(),
+                    PartitionTime {
+                        max: i64::MIN,
+                        last_record: now,
+                    },
+                )
+            })
+            .collect();
         Ok(Box::new(Reader {
             name,
             topics,
@@ -312,6 +342,8 @@ impl<V: tinyflow_api::Data> SourceFactory<KafkaRecord<V>> for KafkaSource<V> {
             policy: self.config.bad_records,
             commit_offsets: self.config.commit_offsets,
             skipped: metrics::counter!("tinyflow_bad_records_total", &labels),
+            event_time: self.event_time.clone(),
+            times,
         }))
     }
 }
@@ -329,14 +361,28 @@ struct Reader<V> {
     policy: BadRecordPolicy,
     commit_offsets: bool,
     skipped: metrics::Counter,
+    event_time: Option<EventTime<V>>,
+    /// Event time per owned partition.
+    times: BTreeMap<Partition, PartitionTime>,
+}
+
+/// The event time read from one partition.
+struct PartitionTime {
+    /// The highest event time read.
+    max: i64,
+    /// When its last record (good or bad) arrived, or the source started.
+    last_record: Instant,
 }
 
 impl<V> Reader<V> {
     fn done(&self) -> bool {
-        self.stop.as_ref().is_some_and(|stop| {
-            stop.iter()
-                .all(|(p, end)| self.positions.get(p).is_some_and(|o| o >= end))
-        })
+        self.stop
+            .as_ref()
+            .is_some_and(|stop| stop.iter().all(|(p, end)| self.partition_done(p, *end)))
+    }
+
+    fn partition_done(&self, p: &Partition, end: i64) -> bool {
+        self.positions.get(p).is_some_and(|o| *o >= end)
     }
 }
 
@@ -375,6 +421,9 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
                 continue; // a duplicate delivery from before a seek
             }
             *position = msg.offset() + 1;
+            if let Some(time) = self.times.get_mut(&partition) {
+                time.last_record = Instant::now();
+            }
             if let Some(stop) = &self.stop
                 && stop.get(&partition).is_some_and(|end| msg.offset() >= *end)
             {
@@ -382,22 +431,35 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
             }
             let payload = msg.payload().unwrap_or_default();
             match (self.format.decode)(payload) {
-                Ok(value) => out.push(KafkaRecord {
-                    topic: Arc::clone(&partition.0),
-                    partition: partition.1,
-                    offset: msg.offset(),
-                    timestamp: msg.timestamp().to_millis(),
-                    key: msg.key().map(<[u8]>::to_vec),
-                    headers: msg
-                        .headers()
-                        .map(|h| {
-                            h.iter()
-                                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                                .collect()
-                        })
-                        .unwrap_or_default(),
-                    value,
-                }),
+                Ok(value) => {
+                    if let Some(et) = &self.event_time {
+                        let t = match &et.from {
+                            Some(from) => from(&value),
+                            None => msg.timestamp().to_millis(),
+                        };
+                        if let (Some(t), Some(time)) = (t, self.times.get_mut(&partition)) {
+                            time.max = time.max.max(t);
+                        }
+                    }
+                    out.push(KafkaRecord {
+                        topic: Arc::clone(&partition.0),
+                        partition: partition.1,
+                        offset: msg.offset(),
+                        timestamp: msg.timestamp().to_millis(),
+                        key: msg.key().map(<[u8]>::to_vec),
+                        headers: msg
+                            .headers()
+                            .map(|h| {
+                                h.iter()
+                                    .map(|h| {
+                                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                        value,
+                    })
+                }
                 Err(reason) => match self.policy {
                     BadRecordPolicy::Fail => {
                         return Err(StreamError::BadRecord {
@@ -436,6 +498,28 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
             action: "encoded",
             message: e.to_string(),
         })
+    }
+
+    fn watermark(&self) -> SourceWatermark {
+        let Some(et) = &self.event_time else {
+            return SourceWatermark::None;
+        };
+        let now = Instant::now();
+        let active = self.times.iter().filter(|(p, time)| {
+            let finished = self
+                .stop
+                .as_ref()
+                .and_then(|stop| stop.get(*p))
+                .is_some_and(|end| self.partition_done(p, *end));
+            let idle = et
+                .idle_timeout
+                .is_some_and(|t| now.duration_since(time.last_record) >= t);
+            !finished && !idle
+        });
+        match active.map(|(_, time)| time.max).min() {
+            Some(min) => SourceWatermark::At(min.saturating_sub(et.max_out_of_orderness)),
+            None => SourceWatermark::Idle,
+        }
     }
 
     async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()> {

@@ -50,17 +50,52 @@ pub fn produce(
     topic: &str,
     records: &[(i32, Vec<u8>, Vec<u8>)],
 ) -> Result<(), String> {
+    send_all(
+        bootstrap,
+        topic,
+        records
+            .iter()
+            .map(|(p, k, v)| (*p, Some(k.as_slice()), None, v.as_slice())),
+    )
+}
+
+/// Produces `records` as (partition, timestamp in ms, value) and waits until
+/// all are acknowledged.
+pub fn produce_timed(
+    bootstrap: &str,
+    topic: &str,
+    records: &[(i32, i64, Vec<u8>)],
+) -> Result<(), String> {
+    send_all(
+        bootstrap,
+        topic,
+        records
+            .iter()
+            .map(|(p, t, v)| (*p, None, Some(*t), v.as_slice())),
+    )
+}
+
+fn send_all<'a>(
+    bootstrap: &str,
+    topic: &str,
+    records: impl Iterator<Item = (i32, Option<&'a [u8]>, Option<i64>, &'a [u8])>,
+) -> Result<(), String> {
     let producer: BaseProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("linger.ms", "5")
         .set("enable.idempotence", "true")
         .create()
         .map_err(|e| e.to_string())?;
-    for (partition, key, value) in records {
-        let mut record = BaseRecord::to(topic)
-            .partition(*partition)
-            .key(key)
+    for (partition, key, timestamp, value) in records {
+        let mut record = BaseRecord::<[u8], [u8]>::to(topic)
+            .partition(partition)
             .payload(value);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        if let Some(t) = timestamp {
+            record = record.timestamp(t);
+        }
         loop {
             match producer.send(record) {
                 Ok(()) => break,

@@ -30,8 +30,7 @@ use std::task::Poll;
 
 use tinyflow_api::{
     AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, ErasedWriter, FromTask,
-    SourceWatermark,
-    Operator, Partitioning, TaskId, ToTask,
+    Operator, Partitioning, SourceWatermark, TaskId, ToTask,
 };
 use tinyflow_checkpoint::CoordinatorHandle;
 use tokio::sync::mpsc;
