@@ -2,12 +2,15 @@
 //! `cargo xtask ci`, address in `KAFKA_BOOTSTRAP`): exactly-once replay
 //! from checkpoint offsets across failures, rescaling over partitions, bad
 //! records, unknown topics, consumer-group offsets for monitoring, and
-//! per-partition watermarks with an idle partition.
+//! per-partition watermarks with an idle partition; JSON into Arrow
+//! batches under each bad-record policy (fail, skip, dead-letter topic).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use arrow_array::{Array, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use serde::{Deserialize, Serialize};
 use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
 use tinyflow_api::{
@@ -15,10 +18,11 @@ use tinyflow_api::{
 };
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_kafka::testing::{
-    bootstrap, committed_offsets, create_topic, produce, produce_timed,
+    bootstrap, committed_offsets, create_topic, produce, produce_timed, read_topic,
 };
 use tinyflow_connectors_kafka::{
-    BadRecordPolicy, EventTime, Format, KafkaRecord, KafkaSource, KafkaSourceConfig,
+    BadRecordPolicy, EventTime, Format, JsonArrow, KafkaArrowSource, KafkaRecord, KafkaSource,
+    KafkaSourceConfig,
 };
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
 use tokio::time::Instant;
@@ -425,4 +429,250 @@ async fn quiet_partition_scenario(event_time: EventTime<Timed>, uses_field: bool
 async fn watermarks_per_partition_with_an_idle_partition() {
     quiet_partition_scenario(EventTime::record_timestamp(), false).await;
     quiet_partition_scenario(EventTime::field(|t: &Timed| Some(t.ts)), true).await;
+}
+
+/// JSON records of a topic with five kinds of bad record among 300 good
+/// ones, over 2 partitions: (topic, bad positions).
+async fn topic_of_json_rows() -> (String, Vec<(i32, i64)>) {
+    let topic = fresh_topic("json-rows");
+    create_topic(&bootstrap(), &topic, 2).await.unwrap();
+    let bad_values: [&[u8]; 5] = [
+        b"{not json",
+        br#"{"id": "abc", "name": "x", "ts": 1}"#,
+        br#"{"name": "no id", "ts": 1}"#,
+        br#"{"id": 1, "ts": 1}{"id": 2, "ts": 2}"#,
+        b"",
+    ];
+    let mut records = Vec::new();
+    let mut bad = Vec::new();
+    let mut next = [0i64; 2];
+    let mut good = 0u64;
+    let mut b = 0;
+    for i in 0..305u64 {
+        let p = (i % 2) as i32;
+        let value = if i % 61 == 30 && b < bad_values.len() {
+            bad.push((p, next[p as usize]));
+            b += 1;
+            bad_values[b - 1].to_vec()
+        } else {
+            good += 1;
+            serde_json::to_vec(&serde_json::json!({
+                "id": good - 1, "name": format!("n{}", good - 1), "ts": 1_000 + (good - 1) as i64, "extra": true
+            }))
+            .unwrap()
+        };
+        next[p as usize] += 1;
+        records.push((p, format!("k{i}").into_bytes(), value));
+    }
+    assert_eq!((good, bad.len()), (300, 5));
+    produce(&bootstrap(), &topic, &records).unwrap();
+    (topic, bad)
+}
+
+fn row_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("name", DataType::Utf8, true),
+        Field::new("ts", DataType::Int64, false),
+    ]))
+}
+
+/// (id, partition, offset) of each row of a batch with metadata columns.
+fn rows_of(batch: RecordBatch) -> Vec<(u64, i32, i64)> {
+    assert_eq!(batch.num_columns(), 7, "3 declared + 4 metadata columns");
+    let col = |name: &str| batch.column_by_name(name).unwrap().clone();
+    let ids = col("id");
+    let ids = ids.as_any().downcast_ref::<Int64Array>().unwrap();
+    let parts = col("_kafka_partition");
+    let parts = parts.as_any().downcast_ref::<Int32Array>().unwrap();
+    let offsets = col("_kafka_offset");
+    let offsets = offsets.as_any().downcast_ref::<Int64Array>().unwrap();
+    let names = col("name");
+    let names = names.as_any().downcast_ref::<StringArray>().unwrap();
+    (0..batch.num_rows())
+        .map(|i| {
+            assert_eq!(names.value(i), format!("n{}", ids.value(i)));
+            (ids.value(i) as u64, parts.value(i), offsets.value(i))
+        })
+        .collect()
+}
+
+/// Reads `topic` into Arrow batches with `policy` through the runtime;
+/// returns the ids and (partition, offset) of the rows read.
+async fn run_arrow(topic: &str, policy: BadRecordPolicy) -> Result<Vec<(u64, i32, i64)>, Error> {
+    let mut config = source_config(topic, &fresh_topic("group"));
+    config.bad_records = policy;
+    let sink = CollectingSink::<(u64, i32, i64)>::new();
+    let job = JobBuilder::new(JobId::new("kafka-arrow").unwrap());
+    let format = JsonArrow::new(row_schema()).with_metadata_columns();
+    job.source("kafka", 2, KafkaArrowSource::new(config, format))
+        .flat_map("rows", rows_of)
+        .rebalance()
+        .sink("out", 1, sink.clone());
+    JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        runtime_config(RestartStrategy::FixedDelay {
+            delay: Duration::from_millis(10),
+            max_attempts: 2,
+        }),
+    )
+    .run()
+    .await?;
+    let mut rows = sink.committed();
+    rows.sort_unstable();
+    Ok(rows)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_into_arrow_batches_under_each_bad_record_policy() {
+    let (topic, bad) = topic_of_json_rows().await;
+
+    // Skip: every good row once, none of the bad, no position twice.
+    let rows = run_arrow(&topic, BadRecordPolicy::Skip).await.unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+        (0..300).collect::<Vec<_>>()
+    );
+    let mut positions: Vec<(i32, i64)> = rows.iter().map(|r| (r.1, r.2)).collect();
+    positions.sort_unstable();
+    positions.dedup();
+    assert_eq!(positions.len(), 300);
+    assert!(
+        bad.iter().all(|b| !positions.contains(b)),
+        "a bad record's position was emitted"
+    );
+
+    // Dead letter: the same rows, and the five bad records in the topic
+    // with reason and origin.
+    let dlq = fresh_topic("dead-letters");
+    create_topic(&bootstrap(), &dlq, 1).await.unwrap();
+    let rows_dl = run_arrow(&topic, BadRecordPolicy::DeadLetter { topic: dlq.clone() })
+        .await
+        .unwrap();
+    assert_eq!(rows_dl, rows);
+    let letters = read_topic(&bootstrap(), &dlq, 5, Duration::from_secs(30)).unwrap();
+    let mut origins: Vec<(i32, i64)> = letters
+        .iter()
+        .map(|l| {
+            assert_eq!(
+                l.header("tinyflow.source.topic").as_deref(),
+                Some(topic.as_str())
+            );
+            assert!(
+                l.header("tinyflow.error").is_some_and(|e| !e.is_empty()),
+                "{l:?}"
+            );
+            assert!(l.key.as_ref().is_some_and(|k| k.starts_with(b"k")), "{l:?}");
+            (
+                l.header("tinyflow.source.partition")
+                    .unwrap()
+                    .parse()
+                    .unwrap(),
+                l.header("tinyflow.source.offset").unwrap().parse().unwrap(),
+            )
+        })
+        .collect();
+    origins.sort_unstable();
+    let mut expected = bad.clone();
+    expected.sort_unstable();
+    assert_eq!(origins, expected);
+    let reasons: Vec<String> = letters
+        .iter()
+        .filter_map(|l| l.header("tinyflow.error"))
+        .collect();
+    for needle in [
+        "invalid JSON",
+        "more than one JSON value",
+        "empty value",
+        "id",
+    ] {
+        assert!(
+            reasons.iter().any(|r| r.contains(needle)),
+            "no reason with {needle:?}: {reasons:?}"
+        );
+    }
+    // The value of a bad record arrives unchanged.
+    assert!(
+        letters
+            .iter()
+            .any(|l| l.value.as_deref() == Some(&b"{not json"[..]))
+    );
+
+    // A dead-letter topic that does not exist fails at start, named.
+    let missing = fresh_topic("no-such-dlq");
+    let mut config = source_config(&topic, "g");
+    config.bad_records = BadRecordPolicy::DeadLetter {
+        topic: missing.clone(),
+    };
+    config
+        .properties
+        .insert("allow.auto.create.topics".into(), "false".into());
+    let ctx = OperatorContext {
+        name: "kafka".into(),
+        subtask: 0,
+        parallelism: 1,
+        max_parallelism: 128,
+    };
+    let err = KafkaArrowSource::new(config, JsonArrow::new(row_schema()))
+        .create(&ctx, &[])
+        .err()
+        .expect("a missing dead-letter topic is an error");
+    assert!(err.to_string().contains(&missing), "{err}");
+
+    // Fail: the first bad record read stops the job, named.
+    let err = run_arrow(&topic, BadRecordPolicy::Fail).await.unwrap_err();
+    let text = tinyflow_api::error_chain(&err);
+    assert!(
+        bad.iter()
+            .any(|(p, o)| text.contains(&format!("{topic}/{p}@{o}"))),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arrow_event_time_from_a_column() {
+    let topic = fresh_topic("arrow-time");
+    create_topic(&bootstrap(), &topic, 2).await.unwrap();
+    // Partition 0 up to ts 1_198, partition 1 up to 1_099.
+    let records: Vec<_> = (0..200i64)
+        .map(|i| {
+            let p = (i % 2) as i32;
+            let ts = if p == 0 { 1_000 + i } else { 1_000 + i / 2 };
+            let value = serde_json::json!({"id": i, "name": "n", "ts": ts});
+            (p, Vec::new(), serde_json::to_vec(&value).unwrap())
+        })
+        .collect();
+    produce(&bootstrap(), &topic, &records).unwrap();
+    let mut config = source_config(&topic, "g");
+    config.bounded = false;
+    let source = KafkaArrowSource::new(config, JsonArrow::new(row_schema()))
+        .with_event_time(EventTime::column("ts").idle_timeout(None));
+    let ctx = OperatorContext {
+        name: "kafka".into(),
+        subtask: 0,
+        parallelism: 1,
+        max_parallelism: 128,
+    };
+    let mut reader = source.create(&ctx, &[]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut rows = 0;
+    while rows < 200 {
+        assert!(Instant::now() < deadline, "{rows} rows after 20 s");
+        let batches = reader.next_batch().await.unwrap().unwrap();
+        rows += batches.iter().map(RecordBatch::num_rows).sum::<usize>();
+    }
+    assert_eq!(rows, 200);
+    // The minimum over the partitions of their highest `ts`.
+    assert_eq!(reader.watermark(), SourceWatermark::At(1_099));
+
+    // A column that is not there, or not a time, is named at start.
+    for (column, needle) in [("nope", "not in the schema"), ("name", "expected int64")] {
+        let err = KafkaArrowSource::new(source_config(&topic, "g"), JsonArrow::new(row_schema()))
+            .with_event_time(EventTime::column(column))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(column) && err.contains(needle), "{err}");
+    }
 }

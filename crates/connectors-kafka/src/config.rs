@@ -23,13 +23,25 @@ pub enum StartPosition {
     Offsets(BTreeMap<(String, i32), i64>),
 }
 
-/// What to do with a record that does not decode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What to do with a record that does not decode. Every bad record is
+/// counted in `tinyflow_bad_records_total`; the good records around it are
+/// read as usual.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BadRecordPolicy {
     /// Fail the job with the record's topic, partition, offset and reason.
     Fail,
-    /// Skip it, counting it in `tinyflow_bad_records_total`.
+    /// Skip it.
     Skip,
+    /// Produce it (key, value and headers unchanged) to this topic, with
+    /// the reason and origin in headers `tinyflow.error`,
+    /// `tinyflow.source.topic`, `tinyflow.source.partition`,
+    /// `tinyflow.source.offset` and `tinyflow.source.timestamp`. The
+    /// dead-letter records are flushed before every checkpoint, so a
+    /// checkpoint never covers a bad record that is not in the topic.
+    DeadLetter {
+        /// The dead-letter topic (on the same cluster, same client settings).
+        topic: String,
+    },
 }
 
 type DecodeFn<V> = Arc<dyn Fn(&[u8]) -> Result<V, String> + Send + Sync>;
@@ -92,6 +104,27 @@ impl<V: DeserializeOwned + 'static> Format<V> {
 
 type TimeFn<V> = Arc<dyn Fn(&V) -> Option<i64> + Send + Sync>;
 
+/// Where event time is read.
+pub(crate) enum TimeFrom<V> {
+    /// The record's Kafka timestamp.
+    Record,
+    /// A function of the decoded value.
+    Field(TimeFn<V>),
+    /// A column of decoded Arrow batches (integer ms or a timestamp).
+    #[cfg_attr(not(feature = "arrow"), allow(dead_code))]
+    Column(String),
+}
+
+impl<V> Clone for TimeFrom<V> {
+    fn clone(&self) -> Self {
+        match self {
+            TimeFrom::Record => TimeFrom::Record,
+            TimeFrom::Field(f) => TimeFrom::Field(Arc::clone(f)),
+            TimeFrom::Column(c) => TimeFrom::Column(c.clone()),
+        }
+    }
+}
+
 /// Where a record's event time comes from, and how watermarks follow it.
 ///
 /// Each partition's watermark trails the highest event time read from it by
@@ -103,7 +136,7 @@ type TimeFn<V> = Arc<dyn Fn(&V) -> Option<i64> + Send + Sync>;
 /// timestamp, or the field function returns `None`) pass through without
 /// moving the watermark.
 pub struct EventTime<V> {
-    pub(crate) from: Option<TimeFn<V>>,
+    pub(crate) from: TimeFrom<V>,
     pub(crate) max_out_of_orderness: i64,
     pub(crate) idle_timeout: Option<Duration>,
 }
@@ -123,10 +156,10 @@ impl<V> fmt::Debug for EventTime<V> {
         f.debug_struct("EventTime")
             .field(
                 "from",
-                &if self.from.is_some() {
-                    "field"
-                } else {
-                    "record timestamp"
+                &match &self.from {
+                    TimeFrom::Record => "record timestamp".to_owned(),
+                    TimeFrom::Field(_) => "field".to_owned(),
+                    TimeFrom::Column(c) => format!("column {c:?}"),
                 },
             )
             .field("max_out_of_orderness_ms", &self.max_out_of_orderness)
@@ -142,7 +175,7 @@ impl<V> EventTime<V> {
     /// Event time is the record's Kafka timestamp (ms since the epoch).
     pub fn record_timestamp() -> Self {
         EventTime {
-            from: None,
+            from: TimeFrom::Record,
             max_out_of_orderness: 0,
             idle_timeout: Some(Self::DEFAULT_IDLE_TIMEOUT),
         }
@@ -151,7 +184,7 @@ impl<V> EventTime<V> {
     /// Event time is read from the decoded value (ms since the epoch).
     pub fn field(from: impl Fn(&V) -> Option<i64> + Send + Sync + 'static) -> Self {
         EventTime {
-            from: Some(Arc::new(from)),
+            from: TimeFrom::Field(Arc::new(from)),
             ..Self::record_timestamp()
         }
     }

@@ -21,10 +21,15 @@
 //! partition, combined by minimum; a partition quiet for the idle timeout
 //! stops holding it back ([`EventTime`]).
 
+#[cfg(feature = "arrow")]
+mod arrow;
 mod config;
+mod dead_letter;
 mod source;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+#[cfg(feature = "arrow")]
+pub use arrow::{JsonArrow, KafkaArrowSource, METADATA_COLUMNS};
 pub use config::{BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition};
 pub use source::{KafkaRecord, KafkaSource};

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tinyflow_api::{
     CheckpointId, OperatorContext, Source, SourceFactory, SourceWatermark, StreamError,
@@ -14,8 +14,9 @@ use tinyflow_api::{
 use tokio::time::Instant;
 
 use crate::config::{
-    BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition, is_secret,
+    BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition, TimeFrom, is_secret,
 };
+use crate::dead_letter::DeadLetter;
 
 /// One Kafka record with its decoded value.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,7 +66,7 @@ impl<V> KafkaSource<V> {
 
 type Partition = (Arc<str>, i32);
 
-fn external(
+pub(crate) fn external(
     operator: &str,
     action: impl Into<String>,
     e: impl std::fmt::Display,
@@ -88,48 +89,67 @@ fn decode_positions(bytes: &[u8]) -> StreamResult<Vec<(String, i32, i64)>> {
     })
 }
 
-impl<V: tinyflow_api::Data> KafkaSource<V> {
-    fn consumer(&self, name: &str) -> StreamResult<BaseConsumer> {
-        let c = &self.config;
+impl KafkaSourceConfig {
+    /// The client settings every client of the source shares: the
+    /// bootstrap servers, `fixed`, then the pass-through properties.
+    pub(crate) fn client_config(&self, fixed: &[(&str, &str)]) -> ClientConfig {
         let mut cc = ClientConfig::new();
-        cc.set("bootstrap.servers", &c.bootstrap_servers)
-            .set("group.id", &c.group_id)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            // Positions come from checkpoints; a missing offset must show.
-            .set("auto.offset.reset", "error")
-            .set("enable.partition.eof", "false");
-        for (k, v) in &c.properties {
+        cc.set("bootstrap.servers", &self.bootstrap_servers);
+        for (k, v) in fixed {
+            cc.set(*k, *v);
+        }
+        for (k, v) in &self.properties {
             cc.set(k, v);
         }
-        cc.create::<BaseConsumer>().map_err(|e| {
-            let shown: Vec<String> = c
-                .properties
-                .iter()
-                .map(|(k, v)| format!("{k}={}", if is_secret(k) { "***" } else { v }))
-                .collect();
-            StreamError::Config {
-                key: "source.properties",
-                message: format!(
-                    "{name}: kafka client rejected its configuration ({}): {e}",
-                    shown.join(", ")
-                ),
-            }
-        })
+        cc
+    }
+
+    /// The error for settings the client rejected, secrets masked.
+    pub(crate) fn rejected(
+        &self,
+        name: &str,
+        client: &str,
+        e: impl std::fmt::Display,
+    ) -> StreamError {
+        let shown: Vec<String> = self
+            .properties
+            .iter()
+            .map(|(k, v)| format!("{k}={}", if is_secret(k) { "***" } else { v }))
+            .collect();
+        StreamError::Config {
+            key: "source.properties",
+            message: format!(
+                "{name}: the kafka {client} rejected its configuration ({}): {e}",
+                shown.join(", ")
+            ),
+        }
+    }
+
+    fn consumer(&self, name: &str) -> StreamResult<BaseConsumer> {
+        self.client_config(&[
+            ("group.id", &self.group_id),
+            ("enable.auto.commit", "false"),
+            ("enable.auto.offset.store", "false"),
+            // Positions come from checkpoints; a missing offset must show.
+            ("auto.offset.reset", "error"),
+            ("enable.partition.eof", "false"),
+        ])
+        .create::<BaseConsumer>()
+        .map_err(|e| self.rejected(name, "consumer", e))
     }
 
     /// Every partition of the configured topics, sorted.
     fn partitions(&self, consumer: &BaseConsumer, name: &str) -> StreamResult<Vec<Partition>> {
         let mut all = Vec::new();
-        for topic in &self.config.topics {
+        for topic in &self.topics {
             let md = consumer
-                .fetch_metadata(Some(topic), self.config.request_timeout)
+                .fetch_metadata(Some(topic), self.request_timeout)
                 .map_err(|e| {
                     external(
                         name,
                         format!(
                             "fetching metadata of topic {topic:?} from {}",
-                            self.config.bootstrap_servers
+                            self.bootstrap_servers
                         ),
                         e,
                         true,
@@ -168,14 +188,14 @@ impl<V: tinyflow_api::Data> KafkaSource<V> {
         name: &str,
         owned: &[Partition],
     ) -> StreamResult<BTreeMap<Partition, i64>> {
-        let timeout = self.config.request_timeout;
+        let timeout = self.request_timeout;
         let watermarks = |(t, p): &Partition| {
             consumer
                 .fetch_watermarks(t, *p, timeout)
                 .map_err(|e| external(name, format!("fetching offsets of {t}/{p}"), e, true))
         };
         let mut out = BTreeMap::new();
-        match &self.config.start {
+        match &self.start {
             StartPosition::Earliest => {
                 for p in owned {
                     out.insert(p.clone(), watermarks(p)?.0);
@@ -201,14 +221,14 @@ impl<V: tinyflow_api::Data> KafkaSource<V> {
             StartPosition::Committed | StartPosition::Timestamp(_) => {
                 let mut tpl = TopicPartitionList::new();
                 for (t, p) in owned {
-                    let offset = match self.config.start {
+                    let offset = match self.start {
                         StartPosition::Timestamp(ts) => Offset::Offset(ts),
                         _ => Offset::Invalid,
                     };
                     tpl.add_partition_offset(t, *p, offset)
                         .map_err(|e| external(name, "building the partition list", e, false))?;
                 }
-                let found = if let StartPosition::Timestamp(_) = self.config.start {
+                let found = if let StartPosition::Timestamp(_) = self.start {
                     consumer.offsets_for_times(tpl, timeout)
                 } else {
                     consumer.committed_offsets(tpl, timeout)
@@ -225,13 +245,11 @@ impl<V: tinyflow_api::Data> KafkaSource<V> {
                     // end for a timestamp, at the beginning for a commit.
                     let fallback = || -> StreamResult<i64> {
                         let (low, high) = watermarks(p)?;
-                        Ok(
-                            if matches!(self.config.start, StartPosition::Timestamp(_)) {
-                                high
-                            } else {
-                                low
-                            },
-                        )
+                        Ok(if matches!(self.start, StartPosition::Timestamp(_)) {
+                            high
+                        } else {
+                            low
+                        })
                     };
                     out.insert(
                         p.clone(),
@@ -253,117 +271,238 @@ impl<V: tinyflow_api::Data> SourceFactory<KafkaRecord<V>> for KafkaSource<V> {
         ctx: &OperatorContext,
         restored: &[Vec<u8>],
     ) -> StreamResult<Box<dyn Source<KafkaRecord<V>>>> {
-        let name = format!("{}[{}]", ctx.name, ctx.subtask);
-        let consumer = self.consumer(&name)?;
-        let all = self.partitions(&consumer, &name)?;
-        let owned: Vec<Partition> = all
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| i % ctx.parallelism == ctx.subtask)
-            .map(|(_, p)| p.clone())
-            .collect();
-        let mut checkpointed = BTreeMap::new();
-        for state in restored {
-            for (t, p, o) in decode_positions(state)? {
-                checkpointed.insert((Arc::<str>::from(t.as_str()), p), o);
-            }
-        }
-        // Checkpointed positions win; partitions new since then start at the
-        // configured position.
-        let fresh: Vec<Partition> = owned
-            .iter()
-            .filter(|p| !checkpointed.contains_key(*p))
-            .cloned()
-            .collect();
-        let mut positions = self.start_offsets(&consumer, &name, &fresh)?;
-        for p in &owned {
-            if let Some(o) = checkpointed.get(p) {
-                positions.insert(p.clone(), *o);
-            }
-        }
-        let mut tpl = TopicPartitionList::new();
-        for ((t, p), o) in &positions {
-            tpl.add_partition_offset(t, *p, Offset::Offset(*o))
-                .map_err(|e| external(&name, "building the assignment", e, false))?;
-        }
-        consumer
-            .assign(&tpl)
-            .map_err(|e| external(&name, "assigning partitions", e, true))?;
-        let stop = if self.config.bounded {
-            let mut stop = BTreeMap::new();
-            for p in &owned {
-                let (_, high) = consumer
-                    .fetch_watermarks(&p.0, p.1, self.config.request_timeout)
-                    .map_err(|e| {
-                        external(
-                            &name,
-                            format!("fetching end offsets of {}/{}", p.0, p.1),
-                            e,
-                            true,
-                        )
-                    })?;
-                stop.insert(p.clone(), high);
-            }
-            Some(stop)
-        } else {
-            None
-        };
-        tracing::info!(
-            source = %name,
-            partitions = ?positions.iter().map(|((t, p), o)| format!("{t}/{p}@{o}")).collect::<Vec<_>>(),
-            restored = !restored.is_empty(),
-            bounded = self.config.bounded,
-            "kafka source assigned"
-        );
-        let labels = [("operator", ctx.name.clone())];
-        let mut topics: Vec<Arc<str>> = owned.iter().map(|(t, _)| Arc::clone(t)).collect();
-        topics.dedup();
-        let now = Instant::now();
-        let times = owned
-            .iter()
-            .map(|p| {
-                (
-                    p.clone(),
-                    PartitionTime {
-                        max: i64::MIN,
-                        last_record: now,
-                    },
-                )
-            })
-            .collect();
-        Ok(Box::new(Reader {
-            name,
-            topics,
-            consumer,
+        let decoder = RecordDecoder {
             format: self.format.clone(),
-            positions,
-            stop,
-            batch_size: self.config.batch_size.max(1),
-            policy: self.config.bad_records,
-            commit_offsets: self.config.commit_offsets,
-            skipped: metrics::counter!("tinyflow_bad_records_total", &labels),
-            event_time: self.event_time.clone(),
-            times,
-        }))
+            from: self.event_time.as_ref().map(|e| e.from.clone()),
+        };
+        Ok(Box::new(open(
+            &self.config,
+            self.event_time.as_ref().map(Timing::of),
+            decoder,
+            ctx,
+            restored,
+        )?))
     }
 }
 
-struct Reader<V> {
-    name: String,
+/// One polled record, with its partition's shared topic name.
+pub(crate) struct Polled<'c> {
+    pub(crate) topic: Arc<str>,
+    pub(crate) msg: BorrowedMessage<'c>,
+}
+
+/// What a decoder made of one polled record: `Ok(event time)` or why it is
+/// bad.
+pub(crate) type Outcome = Result<Option<i64>, String>;
+
+/// Turns the records of one poll into output items.
+pub(crate) trait Decode: Send + 'static {
+    type Out: tinyflow_api::Data;
+
+    /// Decodes `polled`, appending items to `out` and one outcome per
+    /// polled record to `outcomes` (cleared by the caller).
+    fn decode(
+        &mut self,
+        polled: &[Polled<'_>],
+        out: &mut Vec<Self::Out>,
+        outcomes: &mut Vec<Outcome>,
+    );
+}
+
+/// Record by record, with a [`Format`].
+struct RecordDecoder<V> {
+    format: Format<V>,
+    from: Option<TimeFrom<V>>,
+}
+
+impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
+    type Out = KafkaRecord<V>;
+
+    fn decode(
+        &mut self,
+        polled: &[Polled<'_>],
+        out: &mut Vec<KafkaRecord<V>>,
+        outcomes: &mut Vec<Outcome>,
+    ) {
+        for Polled { topic, msg } in polled {
+            match (self.format.decode)(msg.payload().unwrap_or_default()) {
+                Ok(value) => {
+                    let time = match &self.from {
+                        None => None,
+                        Some(TimeFrom::Field(f)) => f(&value),
+                        Some(_) => msg.timestamp().to_millis(),
+                    };
+                    out.push(KafkaRecord {
+                        topic: Arc::clone(topic),
+                        partition: msg.partition(),
+                        offset: msg.offset(),
+                        timestamp: msg.timestamp().to_millis(),
+                        key: msg.key().map(<[u8]>::to_vec),
+                        headers: msg
+                            .headers()
+                            .map(|h| {
+                                h.iter()
+                                    .map(|h| {
+                                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                        value,
+                    });
+                    outcomes.push(Ok(time));
+                }
+                Err(reason) => outcomes.push(Err(reason)),
+            }
+        }
+    }
+}
+
+/// How watermarks follow event time (the part of [`EventTime`] the reader
+/// needs; where time is read is the decoder's business).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    max_out_of_orderness: i64,
+    idle_timeout: Option<Duration>,
+}
+
+impl Timing {
+    pub(crate) fn of<V>(e: &EventTime<V>) -> Self {
+        Timing {
+            max_out_of_orderness: e.max_out_of_orderness,
+            idle_timeout: e.idle_timeout,
+        }
+    }
+}
+
+/// Connects, assigns this subtask's partitions at their restored or start
+/// positions, and returns the reader.
+pub(crate) fn open<D: Decode>(
+    config: &KafkaSourceConfig,
+    timing: Option<Timing>,
+    decoder: D,
+    ctx: &OperatorContext,
+    restored: &[Vec<u8>],
+) -> StreamResult<Reader<D>> {
+    let name = format!("{}[{}]", ctx.name, ctx.subtask);
+    let consumer = config.consumer(&name)?;
+    let all = config.partitions(&consumer, &name)?;
+    let owned: Vec<Partition> = all
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % ctx.parallelism == ctx.subtask)
+        .map(|(_, p)| p.clone())
+        .collect();
+    let mut checkpointed = BTreeMap::new();
+    for state in restored {
+        for (t, p, o) in decode_positions(state)? {
+            checkpointed.insert((Arc::<str>::from(t.as_str()), p), o);
+        }
+    }
+    // Checkpointed positions win; partitions new since then start at the
+    // configured position.
+    let fresh: Vec<Partition> = owned
+        .iter()
+        .filter(|p| !checkpointed.contains_key(*p))
+        .cloned()
+        .collect();
+    let mut positions = config.start_offsets(&consumer, &name, &fresh)?;
+    for p in &owned {
+        if let Some(o) = checkpointed.get(p) {
+            positions.insert(p.clone(), *o);
+        }
+    }
+    let mut tpl = TopicPartitionList::new();
+    for ((t, p), o) in &positions {
+        tpl.add_partition_offset(t, *p, Offset::Offset(*o))
+            .map_err(|e| external(&name, "building the assignment", e, false))?;
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(|e| external(&name, "assigning partitions", e, true))?;
+    let stop = if config.bounded {
+        let mut stop = BTreeMap::new();
+        for p in &owned {
+            let (_, high) = consumer
+                .fetch_watermarks(&p.0, p.1, config.request_timeout)
+                .map_err(|e| {
+                    external(
+                        &name,
+                        format!("fetching end offsets of {}/{}", p.0, p.1),
+                        e,
+                        true,
+                    )
+                })?;
+            stop.insert(p.clone(), high);
+        }
+        Some(stop)
+    } else {
+        None
+    };
+    tracing::info!(
+        source = %name,
+        partitions = ?positions.iter().map(|((t, p), o)| format!("{t}/{p}@{o}")).collect::<Vec<_>>(),
+        restored = !restored.is_empty(),
+        bounded = config.bounded,
+        "kafka source assigned"
+    );
+    let labels = [("operator", ctx.name.clone())];
+    let mut topics: Vec<Arc<str>> = owned.iter().map(|(t, _)| Arc::clone(t)).collect();
+    topics.dedup();
+    let now = Instant::now();
+    let times = owned
+        .iter()
+        .map(|p| {
+            (
+                p.clone(),
+                PartitionTime {
+                    max: i64::MIN,
+                    last_record: now,
+                },
+            )
+        })
+        .collect();
+    let dead_letter = match &config.bad_records {
+        BadRecordPolicy::DeadLetter { topic } => Some(DeadLetter::new(config, topic, &name)?),
+        _ => None,
+    };
+    Ok(Reader {
+        topics,
+        consumer,
+        decoder,
+        positions,
+        stop,
+        batch_size: config.batch_size.max(1),
+        commit_offsets: config.commit_offsets,
+        bad: BadRecords {
+            name,
+            policy: config.bad_records.clone(),
+            counted: metrics::counter!("tinyflow_bad_records_total", &labels),
+            dead_letter,
+            request_timeout: config.request_timeout,
+        },
+        timing,
+        times,
+        outcomes: Vec::new(),
+    })
+}
+
+/// A source subtask: its consumer, positions and decoder.
+pub(crate) struct Reader<D> {
     topics: Vec<Arc<str>>,
     consumer: BaseConsumer,
-    format: Format<V>,
+    decoder: D,
     /// Next offset to read, per owned partition.
     positions: BTreeMap<Partition, i64>,
     /// End offsets of a bounded read.
     stop: Option<BTreeMap<Partition, i64>>,
     batch_size: usize,
-    policy: BadRecordPolicy,
     commit_offsets: bool,
-    skipped: metrics::Counter,
-    event_time: Option<EventTime<V>>,
+    bad: BadRecords,
+    timing: Option<Timing>,
     /// Event time per owned partition.
     times: BTreeMap<Partition, PartitionTime>,
+    outcomes: Vec<Outcome>,
 }
 
 /// The event time read from one partition.
@@ -374,7 +513,7 @@ struct PartitionTime {
     last_record: Instant,
 }
 
-impl<V> Reader<V> {
+impl<D> Reader<D> {
     fn done(&self) -> bool {
         self.stop
             .as_ref()
@@ -390,22 +529,23 @@ impl<V> Reader<V> {
 const IDLE_WAIT: Duration = Duration::from_millis(5);
 
 #[async_trait::async_trait]
-impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
-    async fn next_batch(&mut self) -> StreamResult<Option<Vec<KafkaRecord<V>>>> {
+impl<D: Decode> Source<D::Out> for Reader<D> {
+    async fn next_batch(&mut self) -> StreamResult<Option<Vec<D::Out>>> {
         if self.done() {
+            self.bad.flush()?;
             return Ok(None);
         }
-        let mut out = Vec::with_capacity(self.batch_size.min(4096));
-        while out.len() < self.batch_size {
-            let Some(polled) = self.consumer.poll(Duration::ZERO) else {
+        let mut polled = Vec::with_capacity(self.batch_size.min(4096));
+        while polled.len() < self.batch_size {
+            let Some(next) = self.consumer.poll(Duration::ZERO) else {
                 break;
             };
-            let msg = match polled {
+            let msg = match next {
                 Ok(m) => m,
                 // librdkafka reconnects by itself (broker restarts, leader
                 // changes); these are reports, not lost data.
                 Err(e) => {
-                    tracing::warn!(source = %self.name, error = %e, "kafka consumer reported an error; retrying");
+                    tracing::warn!(source = %self.bad.name, error = %e, "kafka consumer reported an error; retrying");
                     break;
                 }
             };
@@ -429,56 +569,33 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
             {
                 continue; // past the bounded end
             }
-            let payload = msg.payload().unwrap_or_default();
-            match (self.format.decode)(payload) {
-                Ok(value) => {
-                    if let Some(et) = &self.event_time {
-                        let t = match &et.from {
-                            Some(from) => from(&value),
-                            None => msg.timestamp().to_millis(),
-                        };
-                        if let (Some(t), Some(time)) = (t, self.times.get_mut(&partition)) {
-                            time.max = time.max.max(t);
-                        }
+            polled.push(Polled {
+                topic: partition.0,
+                msg,
+            });
+        }
+        let mut out = Vec::new();
+        self.outcomes.clear();
+        self.decoder.decode(&polled, &mut out, &mut self.outcomes);
+        for (p, outcome) in polled.iter().zip(self.outcomes.drain(..)) {
+            match outcome {
+                Ok(Some(t)) => {
+                    if self.timing.is_some()
+                        && let Some(time) = self
+                            .times
+                            .get_mut(&(Arc::clone(&p.topic), p.msg.partition()))
+                    {
+                        time.max = time.max.max(t);
                     }
-                    out.push(KafkaRecord {
-                        topic: Arc::clone(&partition.0),
-                        partition: partition.1,
-                        offset: msg.offset(),
-                        timestamp: msg.timestamp().to_millis(),
-                        key: msg.key().map(<[u8]>::to_vec),
-                        headers: msg
-                            .headers()
-                            .map(|h| {
-                                h.iter()
-                                    .map(|h| {
-                                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
-                                    })
-                                    .collect()
-                            })
-                            .unwrap_or_default(),
-                        value,
-                    })
                 }
-                Err(reason) => match self.policy {
-                    BadRecordPolicy::Fail => {
-                        return Err(StreamError::BadRecord {
-                            operator: self.name.clone(),
-                            topic: partition.0.to_string(),
-                            partition: partition.1,
-                            offset: msg.offset(),
-                            reason,
-                        });
-                    }
-                    BadRecordPolicy::Skip => {
-                        self.skipped.increment(1);
-                        tracing::debug!(source = %self.name, topic = %partition.0, partition = partition.1, offset = msg.offset(), %reason, "bad record skipped");
-                    }
-                },
+                Ok(None) => {}
+                Err(reason) => self.bad.handle(p, reason)?,
             }
         }
-        if out.is_empty() {
+        if polled.is_empty() {
+            drop(polled);
             if self.done() {
+                self.bad.flush()?;
                 return Ok(None);
             }
             // Cancel safe: nothing was taken from the consumer.
@@ -488,20 +605,22 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
     }
 
     fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+        // Dead letters first: the positions below cover them.
+        self.bad.flush()?;
         let positions: Vec<(&str, i32, i64)> = self
             .positions
             .iter()
             .map(|((t, p), o)| (&**t, *p, *o))
             .collect();
         postcard::to_allocvec(&positions).map_err(|e| StreamError::State {
-            operator: self.name.clone(),
+            operator: self.bad.name.clone(),
             action: "encoded",
             message: e.to_string(),
         })
     }
 
     fn watermark(&self) -> SourceWatermark {
-        let Some(et) = &self.event_time else {
+        let Some(timing) = &self.timing else {
             return SourceWatermark::None;
         };
         let now = Instant::now();
@@ -511,13 +630,13 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
                 .as_ref()
                 .and_then(|stop| stop.get(*p))
                 .is_some_and(|end| self.partition_done(p, *end));
-            let idle = et
+            let idle = timing
                 .idle_timeout
                 .is_some_and(|t| now.duration_since(time.last_record) >= t);
             !finished && !idle
         });
         match active.map(|(_, time)| time.max).min() {
-            Some(min) => SourceWatermark::At(min.saturating_sub(et.max_out_of_orderness)),
+            Some(min) => SourceWatermark::At(min.saturating_sub(timing.max_out_of_orderness)),
             None => SourceWatermark::Idle,
         }
     }
@@ -529,12 +648,56 @@ impl<V: tinyflow_api::Data> Source<KafkaRecord<V>> for Reader<V> {
         let mut tpl = TopicPartitionList::new();
         for ((t, p), o) in &self.positions {
             tpl.add_partition_offset(t, *p, Offset::Offset(*o))
-                .map_err(|e| external(&self.name, "building the offset commit", e, false))?;
+                .map_err(|e| external(&self.bad.name, "building the offset commit", e, false))?;
         }
         // For monitoring only: a failed commit is logged, never fatal.
         if let Err(e) = self.consumer.commit(&tpl, CommitMode::Async) {
-            tracing::warn!(source = %self.name, checkpoint = %id, error = %e, "committing offsets to the consumer group failed");
+            tracing::warn!(source = %self.bad.name, checkpoint = %id, error = %e, "committing offsets to the consumer group failed");
         }
         Ok(())
+    }
+}
+
+/// The bad-record policy of one subtask.
+struct BadRecords {
+    /// The subtask, for errors and logs.
+    name: String,
+    policy: BadRecordPolicy,
+    counted: metrics::Counter,
+    dead_letter: Option<DeadLetter>,
+    request_timeout: Duration,
+}
+
+impl BadRecords {
+    fn handle(&mut self, p: &Polled<'_>, reason: String) -> StreamResult<()> {
+        let (topic, partition, offset) = (&p.topic, p.msg.partition(), p.msg.offset());
+        self.counted.increment(1);
+        match (&self.policy, &mut self.dead_letter) {
+            (BadRecordPolicy::Fail, _) => {
+                return Err(StreamError::BadRecord {
+                    operator: self.name.clone(),
+                    topic: topic.to_string(),
+                    partition,
+                    offset,
+                    reason,
+                });
+            }
+            (BadRecordPolicy::DeadLetter { .. }, Some(dl)) => {
+                dl.send(&p.msg, &reason, &self.name)?;
+                tracing::debug!(source = %self.name, %topic, partition, offset, %reason, dead_letter = %dl.topic, "bad record sent to the dead-letter topic");
+            }
+            _ => {
+                tracing::debug!(source = %self.name, %topic, partition, offset, %reason, "bad record skipped");
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every dead letter sent so far is in its topic.
+    fn flush(&mut self) -> StreamResult<()> {
+        match &mut self.dead_letter {
+            Some(dl) => dl.flush(&self.name, self.request_timeout),
+            None => Ok(()),
+        }
     }
 }

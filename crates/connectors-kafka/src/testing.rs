@@ -148,3 +148,69 @@ pub fn committed_offsets(
         )
         .collect())
 }
+
+/// One record read back by [`read_topic`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadBack {
+    /// Partition.
+    pub partition: i32,
+    /// Key.
+    pub key: Option<Vec<u8>>,
+    /// Value.
+    pub value: Option<Vec<u8>>,
+    /// Headers, in order (a header without value as empty bytes).
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl ReadBack {
+    /// The value of header `key` as text.
+    pub fn header(&self, key: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    }
+}
+
+/// Reads every record of `topic` (all partitions, from the start) until
+/// `count` arrived or `timeout` passed.
+pub fn read_topic(
+    bootstrap: &str,
+    topic: &str,
+    count: usize,
+    timeout: Duration,
+) -> Result<Vec<ReadBack>, String> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::{Headers, Message};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", format!("read-{topic}"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .create()
+        .map_err(|e| e.to_string())?;
+    consumer.subscribe(&[topic]).map_err(|e| e.to_string())?;
+    let deadline = std::time::Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < count && std::time::Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => out.push(ReadBack {
+                partition: m.partition(),
+                key: m.key().map(<[u8]>::to_vec),
+                value: m.payload().map(<[u8]>::to_vec),
+                headers: m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            }),
+            Some(Err(e)) => return Err(e.to_string()),
+            None => {}
+        }
+    }
+    Ok(out)
+}
