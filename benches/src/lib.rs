@@ -4,7 +4,7 @@
 //! every run measures the same work and no runtime or real time is involved.
 //! [`pipeline`] holds in-memory sources, sinks and a checkpoint store for the
 //! benchmarks that run whole jobs (the runtime bench and the `nexmark` bench
-//! binary).
+//! binary). [`kafka`] pre-loads a real broker with Nexmark bids as JSON.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,6 +15,7 @@ use tinyflow_api::{
 use tinyflow_checkpoint::{Action, CheckpointConfig, Coordinator, Event, Now};
 use tokio::time::Instant;
 
+pub mod kafka;
 pub mod pipeline;
 
 /// Seed of every generated input.

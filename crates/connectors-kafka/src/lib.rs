@@ -31,5 +31,7 @@ pub mod testing;
 
 #[cfg(feature = "arrow")]
 pub use arrow::{JsonArrow, KafkaArrowSource, METADATA_COLUMNS};
-pub use config::{BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition};
+pub use config::{
+    BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
+};
 pub use source::{KafkaRecord, KafkaSource};

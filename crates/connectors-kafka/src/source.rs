@@ -14,7 +14,8 @@ use tinyflow_api::{
 use tokio::time::Instant;
 
 use crate::config::{
-    BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition, TimeFrom, is_secret,
+    BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
+    TimeFrom, is_secret,
 };
 use crate::dead_letter::DeadLetter;
 
@@ -126,16 +127,18 @@ impl KafkaSourceConfig {
     }
 
     fn consumer(&self, name: &str) -> StreamResult<BaseConsumer> {
-        self.client_config(&[
-            ("group.id", &self.group_id),
+        let mut fixed = vec![
+            ("group.id", self.group_id.as_str()),
             ("enable.auto.commit", "false"),
             ("enable.auto.offset.store", "false"),
             // Positions come from checkpoints; a missing offset must show.
             ("auto.offset.reset", "error"),
             ("enable.partition.eof", "false"),
-        ])
-        .create::<BaseConsumer>()
-        .map_err(|e| self.rejected(name, "consumer", e))
+        ];
+        fixed.extend_from_slice(DEFAULT_CLIENT_SETTINGS);
+        self.client_config(&fixed)
+            .create::<BaseConsumer>()
+            .map_err(|e| self.rejected(name, "consumer", e))
     }
 
     /// Every partition of the configured topics, sorted.
@@ -420,6 +423,13 @@ pub(crate) fn open<D: Decode>(
     consumer
         .assign(&tpl)
         .map_err(|e| external(&name, "assigning partitions", e, true))?;
+    // Wake the reader when records arrive, instead of polling on a timer.
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let mut consumer = consumer;
+    {
+        let arrived = Arc::clone(&arrived);
+        consumer.set_nonempty_callback(move || arrived.notify_one());
+    }
     let stop = if config.bounded {
         let mut stop = BTreeMap::new();
         for p in &owned {
@@ -469,6 +479,7 @@ pub(crate) fn open<D: Decode>(
     Ok(Reader {
         topics,
         consumer,
+        arrived,
         decoder,
         positions,
         stop,
@@ -491,6 +502,8 @@ pub(crate) fn open<D: Decode>(
 pub(crate) struct Reader<D> {
     topics: Vec<Arc<str>>,
     consumer: BaseConsumer,
+    /// Notified by librdkafka when the consumer's queue becomes non-empty.
+    arrived: Arc<tokio::sync::Notify>,
     decoder: D,
     /// Next offset to read, per owned partition.
     positions: BTreeMap<Partition, i64>,
@@ -525,8 +538,9 @@ impl<D> Reader<D> {
     }
 }
 
-/// How long an idle source waits before polling again.
-const IDLE_WAIT: Duration = Duration::from_millis(5);
+/// How long an idle source waits for records at most before returning an
+/// empty batch (so the runtime can check idleness and event time).
+const IDLE_WAIT: Duration = Duration::from_millis(20);
 
 #[async_trait::async_trait]
 impl<D: Decode> Source<D::Out> for Reader<D> {
@@ -536,6 +550,7 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             return Ok(None);
         }
         let mut polled = Vec::with_capacity(self.batch_size.min(4096));
+        let polled_at = Instant::now();
         while polled.len() < self.batch_size {
             let Some(next) = self.consumer.poll(Duration::ZERO) else {
                 break;
@@ -561,8 +576,10 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
                 continue; // a duplicate delivery from before a seek
             }
             *position = msg.offset() + 1;
-            if let Some(time) = self.times.get_mut(&partition) {
-                time.last_record = Instant::now();
+            if self.timing.is_some()
+                && let Some(time) = self.times.get_mut(&partition)
+            {
+                time.last_record = polled_at;
             }
             if let Some(stop) = &self.stop
                 && stop.get(&partition).is_some_and(|end| msg.offset() >= *end)
@@ -598,8 +615,9 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
                 self.bad.flush()?;
                 return Ok(None);
             }
-            // Cancel safe: nothing was taken from the consumer.
-            tokio::time::sleep(IDLE_WAIT).await;
+            // Cancel safe: nothing was taken from the consumer, and a
+            // wake-up that comes while nobody waits is kept for the next.
+            let _ = tokio::time::timeout(IDLE_WAIT, self.arrived.notified()).await;
         }
         Ok(Some(out))
     }
