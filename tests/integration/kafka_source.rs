@@ -3,7 +3,8 @@
 //! from checkpoint offsets across failures, rescaling over partitions, bad
 //! records, unknown topics, consumer-group offsets for monitoring, and
 //! per-partition watermarks with an idle partition; JSON into Arrow
-//! batches under each bad-record policy (fail, skip, dead-letter topic).
+//! batches under each bad-record policy (fail, skip, dead-letter topic); a
+//! broker of the test's own killed (SIGKILL) and restarted mid-run.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,13 +19,15 @@ use tinyflow_api::{
 };
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_kafka::testing::{
-    bootstrap, committed_offsets, create_topic, produce, produce_timed, read_topic,
+    bootstrap, committed_offsets, create_topic, produce, produce_in_batches_of, produce_timed,
+    read_topic,
 };
 use tinyflow_connectors_kafka::{
     BadRecordPolicy, EventTime, Format, JsonArrow, KafkaArrowSource, KafkaRecord, KafkaSource,
     KafkaSourceConfig,
 };
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_tests::broker::OwnBroker;
 use tokio::time::Instant;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -679,4 +682,102 @@ async fn arrow_event_time_from_a_column() {
             .to_string();
         assert!(err.contains(column) && err.contains(needle), "{err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_killed_and_restarted_mid_run_loses_nothing() {
+    const N: u64 = 10_000;
+    let broker = OwnBroker::start();
+    let topic = fresh_topic("restart");
+    create_topic(&broker.bootstrap, &topic, 4).await.unwrap();
+    // 1 KB values, so the client's 64 KB queue per partition holds few.
+    let pad = "x".repeat(1_000);
+    let records: Vec<_> = (0..N)
+        .map(|i| {
+            let value = serde_json::to_vec(&serde_json::json!({"id": i, "pad": pad})).unwrap();
+            ((i % 4) as i32, Vec::new(), value)
+        })
+        .collect();
+    // In small producer batches: a fetch returns at least one whole batch,
+    // and the client must not hold the topic before the broker stops.
+    produce_in_batches_of(&broker.bootstrap, &topic, 16_384, &records).unwrap();
+
+    let mut config = KafkaSourceConfig::new(&broker.bootstrap, &[&topic], fresh_topic("group"));
+    config.bounded = true;
+    config.batch_size = 100;
+    // A small fetch queue: the records must come from the broker during
+    // the whole run, not from what the client fetched before the stop.
+    for (k, v) in [
+        ("queued.max.messages.kbytes", "64"),
+        ("max.partition.fetch.bytes", "16384"),
+        ("reconnect.backoff.max.ms", "500"),
+    ] {
+        config.properties.insert(k.into(), v.into());
+    }
+    let seen = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&seen);
+    let sink = CollectingSink::new();
+    let job = JobBuilder::new(JobId::new("kafka-restart").unwrap());
+    job.source("kafka", 2, KafkaSource::new(config, Format::<Rec>::json()))
+        .map("id", move |r: KafkaRecord<Rec>| {
+            // About 20 s for the whole topic.
+            if counted.fetch_add(1, Ordering::SeqCst).is_multiple_of(10) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r.value.id
+        })
+        .rebalance()
+        .sink("out", 1, sink.clone());
+    let runner = JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        runtime_config(RestartStrategy::FixedDelay {
+            delay: Duration::from_millis(500),
+            max_attempts: 20,
+        }),
+    );
+    let run = tokio::spawn(async move { runner.run().await });
+    while seen.load(Ordering::SeqCst) < 1_000 {
+        if run.is_finished() {
+            panic!("the job ended before the broker restart: {:?}", run.await);
+        }
+        // Not tokio's timer: the slow map keeps the runtime's workers busy,
+        // and this thread would wake late.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let broker = Arc::new(broker);
+    let b = Arc::clone(&broker);
+    let stopping = Instant::now();
+    tokio::task::spawn_blocking(move || b.kill()).await.unwrap();
+    tracing::info!(secs = stopping.elapsed().as_secs_f64(), "broker killed");
+    let at_stop = seen.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_secs(2));
+    let while_down = seen.load(Ordering::SeqCst) - at_stop;
+    let b = Arc::clone(&broker);
+    tokio::task::spawn_blocking(move || b.resume())
+        .await
+        .unwrap();
+    // Records remained to be read from the broker after it came back, and
+    // while it was down reading stalled once the client's small queue and
+    // the job's channels were drained.
+    assert!(
+        at_stop + while_down < N - 1_000 && !run.is_finished(),
+        "{at_stop} read when the broker stopped, {while_down} more while down: the restart tested nothing"
+    );
+    assert!(
+        while_down < 2_000,
+        "{while_down} records read while the broker was down: not from the broker"
+    );
+    let report = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the job did not finish within 120 s of the broker restart")
+        .unwrap()
+        .unwrap();
+    assert_eq!(sorted(sink.committed()), (0..N).collect::<Vec<_>>());
+    tracing::info!(
+        attempts = report.attempts,
+        at_stop,
+        while_down,
+        "broker restart survived"
+    );
 }

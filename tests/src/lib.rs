@@ -1,10 +1,13 @@
 //! Shared helpers for tinyflow's integration tests: a harness that runs a
 //! checkpoint coordinator under tokio's paused clock with fake tasks, and a
-//! small seeded random generator for deterministic scenarios.
+//! small seeded random generator for deterministic scenarios, and
+//! [`broker::OwnBroker`], a Kafka broker a test may stop and restart.
 //!
 //! The harness is deliberately thin: tests play the tasks themselves by
 //! reading each task's control receiver and sending acks through the
 //! coordinator handle, so every step a test asserts is visible in the test.
+
+pub mod broker;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! `cargo xtask kafka start|stop|status [--port N]`: a real Apache Kafka broker for integration
+//! `cargo xtask kafka start|stop|restart|status [--port N]`: a real Apache Kafka broker for integration
 //! tests, one KRaft node (broker and controller in one JVM) listening on loopback only. `start`
 //! resolves the broker's jars from Maven Central with `mvn` (the assets live in `tools/kafka/`)
 //! into a cache that later starts reuse (`target/kafka/libs`, or `$TINYFLOW_KAFKA_HOME`), formats
@@ -7,7 +7,12 @@
 //! logged that it started, writes `kafka.pid` beside its `kafka.log` and prints
 //! `KAFKA_BOOTSTRAP=127.0.0.1:<port>` on stdout, the only thing any subcommand prints there, so a
 //! script can take it with `out=$(cargo xtask kafka start) && export "$out"`. `stop` sends
-//! SIGTERM (SIGKILL after 30 s) to the pid in that file; `status` tells whether that broker runs
+//! SIGTERM (SIGKILL after 30 s) to the pid in that file; `restart` stops it and starts it again on
+//! the same data directory (topics and records kept: what a broker restart test needs), `kill`
+//! ends it with SIGKILL (a crash), `resume` starts a stopped or killed one again on its data,
+//! `discard` kills it and deletes its run directory;
+//! `status`
+//! tells whether that broker runs
 //! and exits non-zero when it does not. The port is `--port N`, else `$TINYFLOW_KAFKA_PORT`, else
 //! 9092; each port has its own run directory, so brokers on different ports do not meet.
 
@@ -53,8 +58,24 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     let (action, port) = parse_args(args, std::env::var("TINYFLOW_KAFKA_PORT").ok())?;
     let layout = Layout::new(port)?;
     match action {
-        Action::Start => start(&layout),
+        Action::Start => start(&layout, Data::Fresh),
         Action::Stop => stop(&layout),
+        Action::Restart => {
+            stop(&layout)?;
+            start(&layout, Data::Keep)
+        }
+        Action::Resume => start(&layout, Data::Keep),
+        Action::Kill => kill(&layout),
+        Action::Discard => {
+            if matches!(broker_state(&layout)?, BrokerState::Running(_)) {
+                kill(&layout)?;
+            }
+            if layout.run_dir.exists() {
+                fs::remove_dir_all(&layout.run_dir)
+                    .with_context(|| format!("removing {}", layout.run_dir.display()))?;
+            }
+            Ok(())
+        }
         Action::Status => status(&layout),
     }
 }
@@ -83,7 +104,7 @@ impl CiBroker {
         )?;
         let layout = Layout::new(port)?;
         let ours = !matches!(broker_state(&layout)?, BrokerState::Running(_));
-        start(&layout)?;
+        start(&layout, Data::Fresh)?;
         let bootstrap = layout.address().to_string();
         Ok(CiBroker {
             layout: ours.then_some(layout),
@@ -106,14 +127,27 @@ impl Drop for CiBroker {
 enum Action {
     Start,
     Stop,
+    /// Stop, then start on the same data (topics and records kept).
+    Restart,
+    /// Start on the data a stopped broker left (topics and records kept).
+    Resume,
+    /// SIGKILL: a broker crash, without the controlled shutdown.
+    Kill,
+    /// Kill if running, then delete the run directory (a test's broker).
+    Discard,
     Status,
 }
 
 fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)> {
-    let usage = "usage: cargo xtask kafka <start|stop|status> [--port N]";
+    let usage =
+        "usage: cargo xtask kafka <start|stop|kill|restart|resume|discard|status> [--port N]";
     let action = match args.first().map(String::as_str) {
         Some("start") => Action::Start,
         Some("stop") => Action::Stop,
+        Some("restart") => Action::Restart,
+        Some("resume") => Action::Resume,
+        Some("kill") => Action::Kill,
+        Some("discard") => Action::Discard,
         Some("status") => Action::Status,
         other => bail!("unknown or missing kafka command {other:?}; {usage}"),
     };
@@ -185,7 +219,14 @@ impl Layout {
     }
 }
 
-fn start(layout: &Layout) -> Result<()> {
+/// Whether a start begins with an empty broker or the data of the last run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Data {
+    Fresh,
+    Keep,
+}
+
+fn start(layout: &Layout, data: Data) -> Result<()> {
     match broker_state(layout)? {
         BrokerState::Running(pid) => {
             eprintln!(
@@ -218,49 +259,15 @@ fn start(layout: &Layout) -> Result<()> {
         layout.assets.join("log4j2.properties").display()
     );
 
-    if layout.run_dir.exists() {
-        fs::remove_dir_all(&layout.run_dir)
-            .with_context(|| format!("removing old {}", layout.run_dir.display()))?;
-    }
-    let data_dir = layout.run_dir.join("data");
-    fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-    let controller_port = free_port()?;
-    let template_path = layout.assets.join("server.properties.in");
-    let template = fs::read_to_string(&template_path)
-        .with_context(|| format!("reading {}", template_path.display()))?;
-    let properties = render_properties(&template, layout.port, controller_port, &data_dir)?;
     let properties_path = layout.run_dir.join("server.properties");
-    fs::write(&properties_path, properties)
-        .with_context(|| format!("writing {}", properties_path.display()))?;
-
-    let cluster_id = cluster_id(layout.port);
-    eprintln!(
-        "xtask kafka: formatting {} (cluster id {cluster_id})",
-        data_dir.display()
-    );
-    let format_log = layout.run_dir.join("format.log");
-    let output = Command::new("java")
-        .arg("-cp")
-        .arg(&classpath)
-        .args(TOOL_JVM_OPTS)
-        .arg(&log4j)
-        .args(["kafka.tools.StorageTool", "format", "--standalone"])
-        .args(["--cluster-id", &cluster_id, "--config"])
-        .arg(&properties_path)
-        .stdin(Stdio::null())
-        .output()
-        .context("running java (is a JDK 17 or newer on PATH?)")?;
-    fs::write(&format_log, [output.stdout, output.stderr].concat())
-        .with_context(|| format!("writing {}", format_log.display()))?;
-    if !output.status.success() {
-        print_tail(&format_log);
-        bail!(
-            "formatting the Kafka data directory failed ({}); see {}",
-            output.status,
-            format_log.display()
+    if data == Data::Keep && properties_path.exists() {
+        eprintln!(
+            "xtask kafka: restarting on the data in {}",
+            layout.run_dir.display()
         );
+    } else {
+        format_data_dir(layout, &classpath, &log4j)?;
     }
-
     let log_path = layout.log_file();
     let log =
         File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
@@ -310,6 +317,55 @@ fn start(layout: &Layout) -> Result<()> {
         }
     );
     layout.print_bootstrap();
+    Ok(())
+}
+
+/// A fresh run directory: rendered `server.properties` and a formatted,
+/// empty data directory.
+fn format_data_dir(layout: &Layout, classpath: &str, log4j: &str) -> Result<()> {
+    if layout.run_dir.exists() {
+        fs::remove_dir_all(&layout.run_dir)
+            .with_context(|| format!("removing old {}", layout.run_dir.display()))?;
+    }
+    let data_dir = layout.run_dir.join("data");
+    fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
+    let controller_port = free_port()?;
+    let template_path = layout.assets.join("server.properties.in");
+    let template = fs::read_to_string(&template_path)
+        .with_context(|| format!("reading {}", template_path.display()))?;
+    let properties = render_properties(&template, layout.port, controller_port, &data_dir)?;
+    let properties_path = layout.run_dir.join("server.properties");
+    fs::write(&properties_path, properties)
+        .with_context(|| format!("writing {}", properties_path.display()))?;
+
+    let cluster_id = cluster_id(layout.port);
+    eprintln!(
+        "xtask kafka: formatting {} (cluster id {cluster_id})",
+        data_dir.display()
+    );
+    let format_log = layout.run_dir.join("format.log");
+    let output = Command::new("java")
+        .arg("-cp")
+        .arg(classpath)
+        .args(TOOL_JVM_OPTS)
+        .arg(log4j)
+        .args(["kafka.tools.StorageTool", "format", "--standalone"])
+        .args(["--cluster-id", &cluster_id, "--config"])
+        .arg(&properties_path)
+        .stdin(Stdio::null())
+        .output()
+        .context("running java (is a JDK 17 or newer on PATH?)")?;
+    fs::write(&format_log, [output.stdout, output.stderr].concat())
+        .with_context(|| format!("writing {}", format_log.display()))?;
+    if !output.status.success() {
+        print_tail(&format_log);
+        bail!(
+            "formatting the Kafka data directory failed ({}); see {}",
+            output.status,
+            format_log.display()
+        );
+    }
+
     Ok(())
 }
 
@@ -393,6 +449,23 @@ fn stop(layout: &Layout) -> Result<()> {
     eprintln!(
         "xtask kafka: broker pid {pid} stopped after {:.1} s",
         started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Ends the broker with SIGKILL, as a crash would.
+fn kill(layout: &Layout) -> Result<()> {
+    let BrokerState::Running(pid) = broker_state(layout)? else {
+        bail!("no broker started by xtask runs on port {}", layout.port);
+    };
+    signal(pid, "KILL")?;
+    if !wait_for_exit(pid, KILL_TIMEOUT) {
+        bail!("broker pid {pid} survived SIGKILL; pid file left in place");
+    }
+    remove_pid_file(layout)?;
+    eprintln!(
+        "xtask kafka: broker pid {pid} on port {} killed",
+        layout.port
     );
     Ok(())
 }
@@ -773,7 +846,23 @@ mod tests {
         assert!(parse_args(&args(&["start", "--port"]), None).is_err());
         assert!(parse_args(&args(&["start"]), Some("x".into())).is_err());
         assert!(parse_args(&args(&["start", "--verbose"]), None).is_err());
-        assert!(parse_args(&args(&["restart"]), None).is_err());
+        assert_eq!(
+            parse_args(&args(&["restart"]), None).unwrap(),
+            (Action::Restart, 9092)
+        );
+        assert_eq!(
+            parse_args(&args(&["resume", "--port", "19092"]), None).unwrap(),
+            (Action::Resume, 19092)
+        );
+        assert_eq!(
+            parse_args(&args(&["kill"]), None).unwrap(),
+            (Action::Kill, 9092)
+        );
+        assert_eq!(
+            parse_args(&args(&["discard", "--port", "19092"]), None).unwrap(),
+            (Action::Discard, 19092)
+        );
+        assert!(parse_args(&args(&["reboot"]), None).is_err());
         assert!(parse_args(&args(&[]), None).is_err());
     }
 

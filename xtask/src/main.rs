@@ -51,7 +51,9 @@ fn main() -> Result<()> {
             eprintln!("usage: cargo xtask <ci|demo|kafka>");
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
-            eprintln!("  kafka start|stop|status [--port N]: a local Kafka broker for tests");
+            eprintln!(
+                "  kafka start|stop|kill|restart|resume|discard|status [--port N]: a local Kafka broker for tests"
+            );
             eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
             bail!("unknown or missing command {:?}", args.first());
         }
@@ -89,7 +91,10 @@ fn ci() -> Result<()> {
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
             .env("KAFKA_BOOTSTRAP", &broker.bootstrap)
-            .env("TINYFLOW_PYTHON", &python),
+            .env("TINYFLOW_PYTHON", &python)
+            // Tests that stop and restart a broker of their own run this
+            // binary's `kafka` command.
+            .env("TINYFLOW_XTASK", std::env::current_exe()?),
         &mut counts,
     )?;
     drop(broker);

@@ -10,7 +10,7 @@ use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, Prod
 use tinyflow_api::{StreamError, StreamResult};
 
 use crate::config::KafkaSourceConfig;
-use crate::source::external;
+use crate::source::{DropAside, external};
 
 /// Counts deliveries that failed, keeping the last reason.
 #[derive(Default)]
@@ -36,7 +36,7 @@ impl ProducerContext for Deliveries {
 /// [`BadRecordPolicy::DeadLetter`](crate::BadRecordPolicy::DeadLetter).
 pub(crate) struct DeadLetter {
     pub(crate) topic: String,
-    producer: BaseProducer<Deliveries>,
+    producer: DropAside<BaseProducer<Deliveries>>,
     /// Sent since the last flush.
     unflushed: u64,
 }
@@ -79,7 +79,7 @@ impl DeadLetter {
         }
         Ok(DeadLetter {
             topic: topic.to_owned(),
-            producer,
+            producer: DropAside::new(producer),
             unflushed: 0,
         })
     }

@@ -478,7 +478,7 @@ pub(crate) fn open<D: Decode>(
     };
     Ok(Reader {
         topics,
-        consumer,
+        consumer: DropAside::new(consumer),
         arrived,
         decoder,
         positions,
@@ -501,7 +501,7 @@ pub(crate) fn open<D: Decode>(
 /// A source subtask: its consumer, positions and decoder.
 pub(crate) struct Reader<D> {
     topics: Vec<Arc<str>>,
-    consumer: BaseConsumer,
+    consumer: DropAside<BaseConsumer>,
     /// Notified by librdkafka when the consumer's queue becomes non-empty.
     arrived: Arc<tokio::sync::Notify>,
     decoder: D,
@@ -716,6 +716,55 @@ impl BadRecords {
         match &mut self.dead_letter {
             Some(dl) => dl.flush(&self.name, self.request_timeout),
             None => Ok(()),
+        }
+    }
+}
+
+/// Owns a Kafka client whose drop may block (a consumer leaving its group,
+/// a producer flushing) for as long as the broker is unreachable: it is
+/// dropped on a thread of its own, so a task that ends while the broker is
+/// down does not hang the runtime that drops it.
+pub(crate) struct DropAside<T: Send + 'static>(Option<T>);
+
+impl<T: Send + 'static> DropAside<T> {
+    pub(crate) fn new(client: T) -> Self {
+        DropAside(Some(client))
+    }
+}
+
+impl<T: Send + 'static> std::ops::Deref for DropAside<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl<T: Send + 'static> std::ops::DerefMut for DropAside<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.0.as_mut().expect("present until dropped")
+    }
+}
+
+impl<T: Send + 'static> Drop for DropAside<T> {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            let spawned = std::thread::Builder::new()
+                .name("kafka-close".into())
+                .spawn(move || {
+                    let started = std::time::Instant::now();
+                    drop(client);
+                    let took = started.elapsed();
+                    if took > Duration::from_secs(1) {
+                        tracing::info!(
+                            secs = took.as_secs_f64(),
+                            "kafka client closed late (broker unreachable meanwhile?)"
+                        );
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "no thread to close a kafka client on; it is leaked");
+            }
         }
     }
 }

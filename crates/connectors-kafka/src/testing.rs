@@ -53,6 +53,26 @@ pub fn produce(
     send_all(
         bootstrap,
         topic,
+        &[],
+        records
+            .iter()
+            .map(|(p, k, v)| (*p, Some(k.as_slice()), None, v.as_slice())),
+    )
+}
+
+/// As [`produce`], in producer batches of at most `batch_bytes` (a fetch
+/// returns at least one whole batch: small ones keep a consumer from
+/// holding much of a topic at once).
+pub fn produce_in_batches_of(
+    bootstrap: &str,
+    topic: &str,
+    batch_bytes: usize,
+    records: &[(i32, Vec<u8>, Vec<u8>)],
+) -> Result<(), String> {
+    send_all(
+        bootstrap,
+        topic,
+        &[("batch.size", &batch_bytes.to_string())],
         records
             .iter()
             .map(|(p, k, v)| (*p, Some(k.as_slice()), None, v.as_slice())),
@@ -69,6 +89,7 @@ pub fn produce_timed(
     send_all(
         bootstrap,
         topic,
+        &[],
         records
             .iter()
             .map(|(p, t, v)| (*p, None, Some(*t), v.as_slice())),
@@ -78,14 +99,18 @@ pub fn produce_timed(
 fn send_all<'a>(
     bootstrap: &str,
     topic: &str,
+    settings: &[(&str, &str)],
     records: impl Iterator<Item = (i32, Option<&'a [u8]>, Option<i64>, &'a [u8])>,
 ) -> Result<(), String> {
-    let producer: BaseProducer = ClientConfig::new()
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", bootstrap)
         .set("linger.ms", "5")
-        .set("enable.idempotence", "true")
-        .create()
-        .map_err(|e| e.to_string())?;
+        .set("enable.idempotence", "true");
+    for (k, v) in settings {
+        config.set(*k, *v);
+    }
+    let producer: BaseProducer = config.create().map_err(|e| e.to_string())?;
     for (partition, key, timestamp, value) in records {
         let mut record = BaseRecord::<[u8], [u8]>::to(topic)
             .partition(partition)
