@@ -781,3 +781,61 @@ async fn a_broker_killed_and_restarted_mid_run_loses_nothing() {
         "broker restart survived"
     );
 }
+
+/// Runs a one-source job with `config` that must fail; returns the error
+/// text and the attempts made.
+async fn failing_run(config: KafkaSourceConfig) -> (String, u32) {
+    let sink = CollectingSink::new();
+    let job = JobBuilder::new(JobId::new("kafka-faults").unwrap());
+    job.source("kafka", 1, KafkaSource::new(config, Format::<Rec>::json()))
+        .map("id", |r: KafkaRecord<Rec>| r.value.id)
+        .sink("out", 1, sink);
+    let err = JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        runtime_config(RestartStrategy::FixedDelay {
+            delay: Duration::from_millis(10),
+            max_attempts: 2,
+        }),
+    )
+    .run()
+    .await
+    .expect_err("the job must fail");
+    let Error::JobFailed { attempts, .. } = &err else {
+        panic!("{err:?}")
+    };
+    (tinyflow_api::error_chain(&err), *attempts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_broker_and_failed_authentication_are_clear_errors() {
+    // Nothing listens on port 1: retried (it may come up), then a failure
+    // naming the address and what the client saw.
+    let mut config = KafkaSourceConfig::new("127.0.0.1:1", &["t"], "g");
+    config.request_timeout = Duration::from_secs(2);
+    let (text, attempts) = failing_run(config).await;
+    assert!(attempts > 1, "not retried: {text}");
+    assert!(
+        text.contains("127.0.0.1:1") && text.contains("last client error"),
+        "{text}"
+    );
+
+    // SASL against the plaintext listener: the error says what the client
+    // saw, and the password never appears.
+    let mut config = KafkaSourceConfig::new(bootstrap(), &["t"], "g");
+    config.request_timeout = Duration::from_secs(2);
+    for (k, v) in [
+        ("security.protocol", "SASL_PLAINTEXT"),
+        ("sasl.mechanism", "PLAIN"),
+        ("sasl.username", "tinyflow"),
+        ("sasl.password", "hunter2"),
+    ] {
+        config.properties.insert(k.into(), v.into());
+    }
+    let (text, _) = failing_run(config).await;
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(
+        text.contains(&bootstrap()) && text.contains("last client error"),
+        "{text}"
+    );
+}

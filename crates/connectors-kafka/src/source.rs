@@ -4,7 +4,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tinyflow_api::{
@@ -67,6 +70,57 @@ impl<V> KafkaSource<V> {
 
 type Partition = (Arc<str>, i32);
 
+/// The consumer's context: passes librdkafka's logs to `tracing` and keeps
+/// the last warning or error (connection refused, authentication failed),
+/// so an error that surfaces as a time-out or a transport failure can say
+/// why.
+#[derive(Default)]
+pub(crate) struct SourceContext {
+    last_error: std::sync::Mutex<Option<String>>,
+}
+
+/// The last client error `consumer` logged, as a suffix for an error
+/// message. Logs arrive as events on the consumer's queue: before the
+/// partitions are assigned, polling serves them and returns no records.
+fn why(consumer: &KafkaConsumer) -> String {
+    let _ = consumer.poll(Duration::from_millis(100));
+    for _ in 0..100 {
+        if consumer.poll(Duration::ZERO).is_none() {
+            break;
+        }
+    }
+    match &*consumer
+        .context()
+        .last_error
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+    {
+        Some(e) => format!(" (last client error: {e})"),
+        None => String::new(),
+    }
+}
+
+impl ClientContext for SourceContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
+        if (level as i32) <= (RDKafkaLogLevel::Warning as i32) {
+            tracing::warn!(facility = fac, "librdkafka: {message}");
+            *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(message.to_owned());
+        } else {
+            tracing::debug!(facility = fac, "librdkafka: {message}");
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(%error, reason, "kafka client error");
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(format!("{error}: {reason}"));
+    }
+}
+
+impl ConsumerContext for SourceContext {}
+
+type KafkaConsumer = BaseConsumer<SourceContext>;
+
 pub(crate) fn external(
     operator: &str,
     action: impl Into<String>,
@@ -126,7 +180,7 @@ impl KafkaSourceConfig {
         }
     }
 
-    fn consumer(&self, name: &str) -> StreamResult<BaseConsumer> {
+    fn consumer(&self, name: &str) -> StreamResult<KafkaConsumer> {
         let mut fixed = vec![
             ("group.id", self.group_id.as_str()),
             ("enable.auto.commit", "false"),
@@ -137,12 +191,12 @@ impl KafkaSourceConfig {
         ];
         fixed.extend_from_slice(DEFAULT_CLIENT_SETTINGS);
         self.client_config(&fixed)
-            .create::<BaseConsumer>()
+            .create_with_context::<_, KafkaConsumer>(SourceContext::default())
             .map_err(|e| self.rejected(name, "consumer", e))
     }
 
     /// Every partition of the configured topics, sorted.
-    fn partitions(&self, consumer: &BaseConsumer, name: &str) -> StreamResult<Vec<Partition>> {
+    fn partitions(&self, consumer: &KafkaConsumer, name: &str) -> StreamResult<Vec<Partition>> {
         let mut all = Vec::new();
         for topic in &self.topics {
             let md = consumer
@@ -154,7 +208,7 @@ impl KafkaSourceConfig {
                             "fetching metadata of topic {topic:?} from {}",
                             self.bootstrap_servers
                         ),
-                        e,
+                        format!("{e}{}", why(consumer)),
                         true,
                     )
                 })?;
@@ -187,15 +241,21 @@ impl KafkaSourceConfig {
 
     fn start_offsets(
         &self,
-        consumer: &BaseConsumer,
+        consumer: &KafkaConsumer,
         name: &str,
         owned: &[Partition],
     ) -> StreamResult<BTreeMap<Partition, i64>> {
         let timeout = self.request_timeout;
         let watermarks = |(t, p): &Partition| {
-            consumer
-                .fetch_watermarks(t, *p, timeout)
-                .map_err(|e| external(name, format!("fetching offsets of {t}/{p}"), e, true))
+            consumer.fetch_watermarks(t, *p, timeout).map_err(|e| {
+                let why = why(consumer);
+                external(
+                    name,
+                    format!("fetching offsets of {t}/{p}"),
+                    format!("{e}{why}"),
+                    true,
+                )
+            })
         };
         let mut out = BTreeMap::new();
         match &self.start {
@@ -501,7 +561,7 @@ pub(crate) fn open<D: Decode>(
 /// A source subtask: its consumer, positions and decoder.
 pub(crate) struct Reader<D> {
     topics: Vec<Arc<str>>,
-    consumer: DropAside<BaseConsumer>,
+    consumer: DropAside<KafkaConsumer>,
     /// Notified by librdkafka when the consumer's queue becomes non-empty.
     arrived: Arc<tokio::sync::Notify>,
     decoder: D,
