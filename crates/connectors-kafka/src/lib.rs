@@ -25,6 +25,8 @@
 mod arrow;
 mod config;
 mod dead_letter;
+#[cfg(feature = "embedded")]
+mod embedded;
 mod source;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -34,4 +36,6 @@ pub use arrow::{JsonArrow, KafkaArrowSource, METADATA_COLUMNS};
 pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
 };
+#[cfg(feature = "embedded")]
+pub use embedded::EmbeddedKafka;
 pub use source::{KafkaRecord, KafkaSource};
