@@ -13,7 +13,6 @@ use nexmark::config::NexmarkConfig;
 use nexmark::event::{Event, EventType};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use serde::{Deserialize, Serialize};
 
 /// A Nexmark bid as the JSON value of a Kafka record (~250 bytes).
@@ -69,8 +68,6 @@ pub struct BidsTopic {
     pub records: u64,
     /// Partitions.
     pub partitions: i32,
-    /// Value bytes in it.
-    pub value_bytes: u64,
 }
 
 /// The broker address: `KAFKA_BOOTSTRAP`.
@@ -111,15 +108,9 @@ pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<Bid
     let exists = md.topics().iter().any(|t| {
         t.name() == name && t.error().is_none() && t.partitions().len() == partitions as usize
     });
-    let value_bytes = || -> u64 {
-        bids(n as usize)
-            .map(|b| serde_json::to_vec(&b).map_or(0, |v| v.len() as u64))
-            .sum()
-    };
     if exists && records_in(&consumer, &name, partitions)? == n {
         eprintln!("topic {name}: {n} bids already there");
         return Ok(BidsTopic {
-            value_bytes: value_bytes(),
             name,
             records: n,
             partitions,
@@ -137,47 +128,21 @@ pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<Bid
     rt.block_on(tinyflow_connectors_kafka::testing::create_topic(
         bootstrap, &name, partitions,
     ))?;
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("linger.ms", "20")
-        .set("batch.size", "1000000")
-        .set("enable.idempotence", "true")
-        .create()
-        .map_err(|e| e.to_string())?;
     let started = Instant::now();
-    let mut bytes = 0u64;
-    for (i, bid) in bids(n as usize).enumerate() {
-        let value = serde_json::to_vec(&bid).map_err(|e| e.to_string())?;
-        bytes += value.len() as u64;
-        let mut record = BaseRecord::<(), [u8]>::to(&name)
-            .partition((i as u64 % partitions as u64) as i32)
-            .payload(&value[..]);
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((
-                    rdkafka::error::KafkaError::MessageProduction(
-                        rdkafka::types::RDKafkaErrorCode::QueueFull,
-                    ),
-                    r,
-                )) => {
-                    producer.poll(Duration::from_millis(5));
-                    record = r;
-                }
-                Err((e, _)) => return Err(format!("producing bid {i}: {e}")),
-            }
-        }
-        if (i as u64 + 1).is_multiple_of((n / 10).max(1)) {
+    let step = (n / 10).max(1);
+    let values = bids(n as usize).enumerate().map(|(i, bid)| {
+        if (i as u64 + 1).is_multiple_of(step) {
             eprintln!(
                 "topic {name}: {} of {n} bids produced ({:.0} s)",
                 i + 1,
                 started.elapsed().as_secs_f64()
             );
         }
-    }
-    producer
-        .flush(Duration::from_secs(300))
-        .map_err(|e| e.to_string())?;
+        let value = serde_json::to_vec(&bid).expect("a bid serialises");
+        ((i as u64 % partitions as u64) as i32, value)
+    });
+    let settings = [("linger.ms", "20"), ("batch.size", "1000000")];
+    tinyflow_connectors_kafka::testing::produce_stream(bootstrap, &name, &settings, values)?;
     let found = records_in(&consumer, &name, partitions)?;
     if found != n {
         return Err(format!(
@@ -188,6 +153,5 @@ pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<Bid
         name,
         records: n,
         partitions,
-        value_bytes: bytes,
     })
 }

@@ -5,8 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rdkafka::ClientContext;
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
+use rdkafka::types::RDKafkaErrorCode;
 use tinyflow_api::{StreamError, StreamResult};
 
 use crate::config::KafkaSourceConfig;
@@ -28,6 +30,24 @@ impl ProducerContext for Deliveries {
         if let Err((e, _)) = result {
             self.failed.fetch_add(1, Ordering::SeqCst);
             *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+        }
+    }
+}
+
+/// Queues `record`, serving delivery reports and waiting while the
+/// producer's queue is full.
+pub(crate) fn send_with_room<C: ProducerContext>(
+    producer: &BaseProducer<C>,
+    mut record: BaseRecord<'_, [u8], [u8], C::DeliveryOpaque>,
+) -> Result<(), KafkaError> {
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                producer.poll(Duration::from_millis(10));
+                record = r;
+            }
+            Err((e, _)) => return Err(e),
         }
     }
 }
@@ -121,28 +141,14 @@ impl DeadLetter {
         if let Some(payload) = msg.payload() {
             record = record.payload(payload);
         }
-        loop {
-            match self.producer.send(record) {
-                Ok(()) => break,
-                Err((
-                    rdkafka::error::KafkaError::MessageProduction(
-                        rdkafka::types::RDKafkaErrorCode::QueueFull,
-                    ),
-                    r,
-                )) => {
-                    self.producer.poll(Duration::from_millis(10));
-                    record = r;
-                }
-                Err((e, _)) => {
-                    return Err(external(
-                        name,
-                        format!("sending a bad record to dead-letter topic {:?}", self.topic),
-                        e,
-                        true,
-                    ));
-                }
-            }
-        }
+        send_with_room(&self.producer, record).map_err(|e| {
+            external(
+                name,
+                format!("sending a bad record to dead-letter topic {:?}", self.topic),
+                e,
+                true,
+            )
+        })?;
         self.unflushed += 1;
         self.producer.poll(Duration::ZERO);
         Ok(())

@@ -8,6 +8,8 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
+use crate::dead_letter::send_with_room;
+
 /// The broker address for tests: `KAFKA_BOOTSTRAP`, as `cargo xtask kafka
 /// start` prints it (and `cargo xtask ci` exports it).
 ///
@@ -50,15 +52,11 @@ pub fn produce(
     topic: &str,
     records: &[(i32, Vec<u8>, Vec<u8>)],
 ) -> Result<(), String> {
-    send_all(
-        bootstrap,
-        topic,
-        &[],
-        records
-            .iter()
-            .map(|(p, k, v)| (*p, Some(k.as_slice()), None, v.as_slice())),
-    )
+    produce_in_batches_of(bootstrap, topic, DEFAULT_BATCH_BYTES, records)
 }
+
+/// librdkafka's default `batch.size`.
+const DEFAULT_BATCH_BYTES: usize = 1_000_000;
 
 /// As [`produce`], in producer batches of at most `batch_bytes` (a fetch
 /// returns at least one whole batch: small ones keep a consumer from
@@ -73,10 +71,12 @@ pub fn produce_in_batches_of(
         bootstrap,
         topic,
         &[("batch.size", &batch_bytes.to_string())],
+        FLUSH_WITHIN,
         records
             .iter()
             .map(|(p, k, v)| (*p, Some(k.as_slice()), None, v.as_slice())),
     )
+    .map(|_| ())
 }
 
 /// Produces `records` as (partition, timestamp in ms, value) and waits until
@@ -90,18 +90,44 @@ pub fn produce_timed(
         bootstrap,
         topic,
         &[],
+        FLUSH_WITHIN,
         records
             .iter()
-            .map(|(p, t, v)| (*p, None, Some(*t), v.as_slice())),
+            .map(|(p, t, v)| (*p, None::<&[u8]>, Some(*t), v.as_slice())),
     )
+    .map(|_| ())
 }
 
-fn send_all<'a>(
+/// Produces (partition, value) pairs as `records` yields them, with
+/// producer `settings` over the defaults, and waits until all are
+/// acknowledged; returns how many. For inputs too large to hold at once.
+pub fn produce_stream(
     bootstrap: &str,
     topic: &str,
     settings: &[(&str, &str)],
-    records: impl Iterator<Item = (i32, Option<&'a [u8]>, Option<i64>, &'a [u8])>,
-) -> Result<(), String> {
+    records: impl Iterator<Item = (i32, Vec<u8>)>,
+) -> Result<u64, String> {
+    send_all(
+        bootstrap,
+        topic,
+        settings,
+        STREAM_FLUSH_WITHIN,
+        records.map(|(p, v)| (p, None::<&[u8]>, None, v)),
+    )
+}
+
+/// How long the producers here wait for the last acknowledgements.
+const FLUSH_WITHIN: Duration = Duration::from_secs(60);
+/// The same for [`produce_stream`], whose inputs are large.
+const STREAM_FLUSH_WITHIN: Duration = Duration::from_secs(300);
+
+fn send_all<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    bootstrap: &str,
+    topic: &str,
+    settings: &[(&str, &str)],
+    flush_within: Duration,
+    records: impl Iterator<Item = (i32, Option<K>, Option<i64>, V)>,
+) -> Result<u64, String> {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", bootstrap)
@@ -111,36 +137,24 @@ fn send_all<'a>(
         config.set(*k, *v);
     }
     let producer: BaseProducer = config.create().map_err(|e| e.to_string())?;
+    let mut sent = 0u64;
     for (partition, key, timestamp, value) in records {
         let mut record = BaseRecord::<[u8], [u8]>::to(topic)
             .partition(partition)
-            .payload(value);
-        if let Some(key) = key {
-            record = record.key(key);
+            .payload(value.as_ref());
+        if let Some(key) = &key {
+            record = record.key(key.as_ref());
         }
         if let Some(t) = timestamp {
             record = record.timestamp(t);
         }
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((
-                    rdkafka::error::KafkaError::MessageProduction(
-                        rdkafka::types::RDKafkaErrorCode::QueueFull,
-                    ),
-                    r,
-                )) => {
-                    producer.poll(Duration::from_millis(50));
-                    record = r;
-                }
-                Err((e, _)) => return Err(e.to_string()),
-            }
-        }
+        send_with_room(&producer, record)
+            .map_err(|e| format!("producing record {sent} to {topic}: {e}"))?;
+        sent += 1;
         producer.poll(Duration::ZERO);
     }
-    producer
-        .flush(Duration::from_secs(60))
-        .map_err(|e| e.to_string())
+    producer.flush(flush_within).map_err(|e| e.to_string())?;
+    Ok(sent)
 }
 
 /// The offsets `group` committed for `topic`'s partitions `0..partitions`
