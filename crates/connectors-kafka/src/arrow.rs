@@ -12,7 +12,7 @@ use rdkafka::message::Message;
 use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamResult};
 
 use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
-use crate::source::{Decode, Outcome, Polled, Timing, open};
+use crate::source::{Decode, Outcome, Polled, open};
 
 /// The columns [`JsonArrow::with_metadata_columns`] appends.
 pub const METADATA_COLUMNS: [&str; 4] = [
@@ -182,13 +182,13 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
             from: self.event_time.as_ref().map(|e| e.from.clone()),
             bad: Vec::new(),
         };
-        Ok(Box::new(open(
+        open(
             &self.config,
-            self.event_time.as_ref().map(Timing::of),
+            self.event_time.as_ref(),
             decoder,
             ctx,
             restored,
-        )?))
+        )
     }
 }
 

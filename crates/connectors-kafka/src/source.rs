@@ -338,13 +338,13 @@ impl<V: tinyflow_api::Data> SourceFactory<KafkaRecord<V>> for KafkaSource<V> {
             format: self.format.clone(),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
         };
-        Ok(Box::new(open(
+        open(
             &self.config,
-            self.event_time.as_ref().map(Timing::of),
+            self.event_time.as_ref(),
             decoder,
             ctx,
             restored,
-        )?))
+        )
     }
 }
 
@@ -424,13 +424,13 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
 /// How watermarks follow event time (the part of [`EventTime`] the reader
 /// needs; where time is read is the decoder's business).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Timing {
+struct Timing {
     max_out_of_orderness: i64,
     idle_timeout: Option<Duration>,
 }
 
 impl Timing {
-    pub(crate) fn of<V>(e: &EventTime<V>) -> Self {
+    fn of<V>(e: &EventTime<V>) -> Self {
         Timing {
             max_out_of_orderness: e.max_out_of_orderness,
             idle_timeout: e.idle_timeout,
@@ -440,13 +440,13 @@ impl Timing {
 
 /// Connects, assigns this subtask's partitions at their restored or start
 /// positions, and returns the reader.
-pub(crate) fn open<D: Decode>(
+pub(crate) fn open<D: Decode, V>(
     config: &KafkaSourceConfig,
-    timing: Option<Timing>,
+    event_time: Option<&EventTime<V>>,
     decoder: D,
     ctx: &OperatorContext,
     restored: &[Vec<u8>],
-) -> StreamResult<Reader<D>> {
+) -> StreamResult<Box<dyn Source<D::Out>>> {
     let name = format!("{}[{}]", ctx.name, ctx.subtask);
     let consumer = config.consumer(&name)?;
     let all = config.partitions(&consumer, &name)?;
@@ -536,7 +536,7 @@ pub(crate) fn open<D: Decode>(
         BadRecordPolicy::DeadLetter { topic } => Some(DeadLetter::new(config, topic, &name)?),
         _ => None,
     };
-    Ok(Reader {
+    Ok(Box::new(Reader {
         topics,
         consumer: DropAside::new(consumer),
         arrived,
@@ -552,10 +552,10 @@ pub(crate) fn open<D: Decode>(
             dead_letter,
             request_timeout: config.request_timeout,
         },
-        timing,
+        timing: event_time.map(Timing::of),
         times,
         outcomes: Vec::new(),
-    })
+    }))
 }
 
 /// A source subtask: its consumer, positions and decoder.
