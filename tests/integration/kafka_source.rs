@@ -684,23 +684,102 @@ async fn arrow_event_time_from_a_column() {
     }
 }
 
+/// `n` records `{"id": i, "pad": <1000 bytes>}` round-robin over 4
+/// partitions: large enough that a small client queue holds few of them.
+fn padded_ids(n: u64) -> Vec<(i32, Vec<u8>, Vec<u8>)> {
+    let pad = "x".repeat(1_000);
+    (0..n)
+        .map(|i| {
+            let value = serde_json::to_vec(&serde_json::json!({"id": i, "pad": pad})).unwrap();
+            ((i % 4) as i32, Vec::new(), value)
+        })
+        .collect()
+}
+
+/// A running job `config` -> 2 source subtasks -> a map that pauses for
+/// `pause` every `every` records -> ids -> sink, for outages mid-run.
+struct PacedJob {
+    run: tokio::task::JoinHandle<Result<tinyflow_runtime::JobReport, Error>>,
+    seen: Arc<AtomicU64>,
+    sink: CollectingSink<u64>,
+}
+
+impl PacedJob {
+    fn spawn(
+        name: &str,
+        config: KafkaSourceConfig,
+        every: u64,
+        pause: Duration,
+        restart_delay: Duration,
+    ) -> PacedJob {
+        let seen = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&seen);
+        let sink = CollectingSink::new();
+        let job = JobBuilder::new(JobId::new(name).unwrap());
+        job.source("kafka", 2, KafkaSource::new(config, Format::<Rec>::json()))
+            .map("id", move |r: KafkaRecord<Rec>| {
+                if counted.fetch_add(1, Ordering::SeqCst).is_multiple_of(every) {
+                    std::thread::sleep(pause);
+                }
+                r.value.id
+            })
+            .rebalance()
+            .sink("out", 1, sink.clone());
+        let runner = JobRunner::new(
+            job.build().unwrap(),
+            Arc::new(MemoryCheckpointStore::new()),
+            runtime_config(RestartStrategy::FixedDelay {
+                delay: restart_delay,
+                max_attempts: 20,
+            }),
+        );
+        PacedJob {
+            run: tokio::spawn(async move { runner.run().await }),
+            seen,
+            sink,
+        }
+    }
+
+    fn read(&self) -> u64 {
+        self.seen.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `n` records were read; panics if the job ended first.
+    async fn wait_for(&mut self, n: u64) {
+        while self.read() < n {
+            if self.run.is_finished() {
+                panic!(
+                    "the job ended before the outage: {:?}",
+                    (&mut self.run).await
+                );
+            }
+            // Not tokio's timer: the slow map keeps the runtime's workers
+            // busy, and this thread would wake late.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits for the job to end (within `limit`); returns what it committed.
+    async fn finish(self, limit: Duration) -> (tinyflow_runtime::JobReport, Vec<u64>) {
+        let report = tokio::time::timeout(limit, self.run)
+            .await
+            .expect("the job did not finish in time after the outage")
+            .unwrap()
+            .unwrap();
+        (report, sorted(self.sink.committed()))
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_killed_and_restarted_mid_run_loses_nothing() {
     const N: u64 = 10_000;
     let broker = OwnBroker::start();
     let topic = fresh_topic("restart");
     create_topic(&broker.bootstrap, &topic, 4).await.unwrap();
-    // 1 KB values, so the client's 64 KB queue per partition holds few.
-    let pad = "x".repeat(1_000);
-    let records: Vec<_> = (0..N)
-        .map(|i| {
-            let value = serde_json::to_vec(&serde_json::json!({"id": i, "pad": pad})).unwrap();
-            ((i % 4) as i32, Vec::new(), value)
-        })
-        .collect();
-    // In small producer batches: a fetch returns at least one whole batch,
-    // and the client must not hold the topic before the broker stops.
-    produce_in_batches_of(&broker.bootstrap, &topic, 16_384, &records).unwrap();
+    // 1 KB values, so the client's 64 KB queue per partition holds few, in
+    // small producer batches: a fetch returns at least one whole batch, and
+    // the client must not hold the topic before the broker stops.
+    produce_in_batches_of(&broker.bootstrap, &topic, 16_384, &padded_ids(N)).unwrap();
 
     let mut config = KafkaSourceConfig::new(&broker.bootstrap, &[&topic], fresh_topic("group"));
     config.bounded = true;
@@ -714,45 +793,23 @@ async fn a_broker_killed_and_restarted_mid_run_loses_nothing() {
     ] {
         config.properties.insert(k.into(), v.into());
     }
-    let seen = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&seen);
-    let sink = CollectingSink::new();
-    let job = JobBuilder::new(JobId::new("kafka-restart").unwrap());
-    job.source("kafka", 2, KafkaSource::new(config, Format::<Rec>::json()))
-        .map("id", move |r: KafkaRecord<Rec>| {
-            // About 20 s for the whole topic.
-            if counted.fetch_add(1, Ordering::SeqCst).is_multiple_of(10) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            r.value.id
-        })
-        .rebalance()
-        .sink("out", 1, sink.clone());
-    let runner = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        runtime_config(RestartStrategy::FixedDelay {
-            delay: Duration::from_millis(500),
-            max_attempts: 20,
-        }),
+    // About 20 s for the whole topic.
+    let mut job = PacedJob::spawn(
+        "kafka-restart",
+        config,
+        10,
+        Duration::from_millis(20),
+        Duration::from_millis(500),
     );
-    let run = tokio::spawn(async move { runner.run().await });
-    while seen.load(Ordering::SeqCst) < 1_000 {
-        if run.is_finished() {
-            panic!("the job ended before the broker restart: {:?}", run.await);
-        }
-        // Not tokio's timer: the slow map keeps the runtime's workers busy,
-        // and this thread would wake late.
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    job.wait_for(1_000).await;
     let broker = Arc::new(broker);
     let b = Arc::clone(&broker);
     let stopping = Instant::now();
     tokio::task::spawn_blocking(move || b.kill()).await.unwrap();
     tracing::info!(secs = stopping.elapsed().as_secs_f64(), "broker killed");
-    let at_stop = seen.load(Ordering::SeqCst);
+    let at_stop = job.read();
     std::thread::sleep(Duration::from_secs(2));
-    let while_down = seen.load(Ordering::SeqCst) - at_stop;
+    let while_down = job.read() - at_stop;
     let b = Arc::clone(&broker);
     tokio::task::spawn_blocking(move || b.resume())
         .await
@@ -761,19 +818,15 @@ async fn a_broker_killed_and_restarted_mid_run_loses_nothing() {
     // while it was down reading stalled once the client's small queue and
     // the job's channels were drained.
     assert!(
-        at_stop + while_down < N - 1_000 && !run.is_finished(),
+        at_stop + while_down < N - 1_000 && !job.run.is_finished(),
         "{at_stop} read when the broker stopped, {while_down} more while down: the restart tested nothing"
     );
     assert!(
         while_down < 2_000,
         "{while_down} records read while the broker was down: not from the broker"
     );
-    let report = tokio::time::timeout(Duration::from_secs(120), run)
-        .await
-        .expect("the job did not finish within 120 s of the broker restart")
-        .unwrap()
-        .unwrap();
-    assert_eq!(sorted(sink.committed()), (0..N).collect::<Vec<_>>());
+    let (report, ids) = job.finish(Duration::from_secs(120)).await;
+    assert_eq!(ids, (0..N).collect::<Vec<_>>());
     tracing::info!(
         attempts = report.attempts,
         at_stop,
@@ -849,14 +902,7 @@ async fn the_embedded_cluster_feeds_the_source_through_an_outage() {
     let kafka = EmbeddedKafka::start(1).unwrap();
     let bootstrap = kafka.bootstrap_servers();
     kafka.create_topic("bids", 4).unwrap();
-    let pad = "x".repeat(1_000);
-    let records: Vec<_> = (0..N)
-        .map(|i| {
-            let value = serde_json::to_vec(&serde_json::json!({"id": i, "pad": pad})).unwrap();
-            ((i % 4) as i32, Vec::new(), value)
-        })
-        .collect();
-    produce_in_batches_of(&bootstrap, "bids", 4_096, &records).unwrap();
+    produce_in_batches_of(&bootstrap, "bids", 4_096, &padded_ids(N)).unwrap();
 
     let mut config = KafkaSourceConfig::new(&bootstrap, &["bids"], "demo");
     config.bounded = true;
@@ -867,41 +913,21 @@ async fn the_embedded_cluster_feeds_the_source_through_an_outage() {
     config
         .properties
         .insert("queued.max.messages.kbytes".into(), "16".into());
-    let seen = Arc::new(AtomicU64::new(0));
-    let counted = Arc::clone(&seen);
-    let sink = CollectingSink::new();
-    let job = JobBuilder::new(JobId::new("kafka-embedded").unwrap());
-    job.source("kafka", 2, KafkaSource::new(config, Format::<Rec>::json()))
-        .map("id", move |r: KafkaRecord<Rec>| {
-            if counted.fetch_add(1, Ordering::SeqCst).is_multiple_of(5) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            r.value.id
-        })
-        .rebalance()
-        .sink("out", 1, sink.clone());
-    let runner = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        runtime_config(RestartStrategy::FixedDelay {
-            delay: Duration::from_millis(100),
-            max_attempts: 20,
-        }),
+    let mut job = PacedJob::spawn(
+        "kafka-embedded",
+        config,
+        5,
+        Duration::from_millis(10),
+        Duration::from_millis(100),
     );
-    let run = tokio::spawn(async move { runner.run().await });
-    while seen.load(Ordering::SeqCst) < 500 {
-        if run.is_finished() {
-            panic!("the job ended before the outage: {:?}", run.await);
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    job.wait_for(500).await;
     kafka.broker_down(-1).unwrap();
-    let at_down = seen.load(Ordering::SeqCst);
+    let at_down = job.read();
     std::thread::sleep(Duration::from_secs(1));
-    let while_down = seen.load(Ordering::SeqCst) - at_down;
+    let while_down = job.read() - at_down;
     kafka.broker_up(-1).unwrap();
     assert!(
-        at_down + while_down < N && !run.is_finished(),
+        at_down + while_down < N && !job.run.is_finished(),
         "{at_down} read before the outage, {while_down} during: it tested nothing"
     );
     // The pace allows about 1000 a second: reading stalled while down.
@@ -909,10 +935,6 @@ async fn the_embedded_cluster_feeds_the_source_through_an_outage() {
         while_down < 500,
         "{while_down} read while every broker was down"
     );
-    tokio::time::timeout(Duration::from_secs(60), run)
-        .await
-        .expect("the job did not finish within 60 s of the outage")
-        .unwrap()
-        .unwrap();
-    assert_eq!(sorted(sink.committed()), (0..N).collect::<Vec<_>>());
+    let (_, ids) = job.finish(Duration::from_secs(60)).await;
+    assert_eq!(ids, (0..N).collect::<Vec<_>>());
 }
