@@ -167,7 +167,16 @@ async fn restore_with_another_parallelism_reads_every_partition_once() {
     let checkpoints = store.clone();
     let fired = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let fail = move |n: u64| {
-        n > 600 && !checkpoints.persisted_ids().is_empty() && !fired.swap(true, Ordering::SeqCst)
+        if n <= 600 || fired.load(Ordering::SeqCst) {
+            return false;
+        }
+        if checkpoints.persisted_ids().is_empty() {
+            // Slow down until a checkpoint completes, so that a loaded
+            // machine cannot read the whole topic before the failure fires.
+            std::thread::sleep(Duration::from_millis(20));
+            return false;
+        }
+        !fired.swap(true, Ordering::SeqCst)
     };
     let err = run_ids(
         &topic,
