@@ -133,6 +133,7 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             bad_records: config.bad_records,
             bad: metrics::counter!("tinyflow_iceberg_bad_records_total", "sink" => config.sink_id.clone()),
             files: metrics::counter!("tinyflow_iceberg_files_written_total", "sink" => config.sink_id.clone()),
+            rows: metrics::counter!("tinyflow_iceberg_rows_written_total", "sink" => config.sink_id.clone()),
             evictions: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone()),
         }))
     }
@@ -160,6 +161,8 @@ pub(crate) struct IcebergFileWriter {
     format_version: iceberg::spec::FormatVersion,
     bad_records: BadRecords,
     files: metrics::Counter,
+    /// Rows handed to the file writers (committed or not yet).
+    rows: metrics::Counter,
     evictions: metrics::Counter,
     bad: metrics::Counter,
 }
@@ -292,6 +295,7 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
                     None => continue,
                 },
             };
+            self.rows.increment(batch.num_rows() as u64);
             match &self.splitter {
                 None => self.write_part(None, batch).await?,
                 Some(splitter) => {

@@ -74,9 +74,20 @@ type Partition = (Arc<str>, i32);
 /// the last warning or error (connection refused, authentication failed),
 /// so an error that surfaces as a time-out or a transport failure can say
 /// why.
-#[derive(Default)]
 pub(crate) struct SourceContext {
     last_error: std::sync::Mutex<Option<String>>,
+    /// `tinyflow_kafka_consumer_lag`: records in the subtask's partitions
+    /// not read yet, from librdkafka's statistics (once a second).
+    lag: metrics::Gauge,
+}
+
+impl Default for SourceContext {
+    fn default() -> Self {
+        SourceContext {
+            last_error: std::sync::Mutex::new(None),
+            lag: metrics::Gauge::noop(),
+        }
+    }
 }
 
 /// The last client error `consumer` logged, as a suffix for an error
@@ -115,6 +126,18 @@ impl ClientContext for SourceContext {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(format!("{error}: {reason}"));
     }
+
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        // Partitions the consumer does not fetch report a lag of -1.
+        let lag: i64 = statistics
+            .topics
+            .values()
+            .flat_map(|t| t.partitions.values())
+            .filter(|p| p.partition >= 0 && p.consumer_lag >= 0)
+            .map(|p| p.consumer_lag)
+            .sum();
+        self.lag.set(lag as f64);
+    }
 }
 
 impl ConsumerContext for SourceContext {}
@@ -136,7 +159,9 @@ pub(crate) fn external(
     }
 }
 
-fn decode_positions(bytes: &[u8]) -> StreamResult<Vec<(String, i32, i64)>> {
+/// The positions (topic, partition, next offset) in a Kafka source's
+/// checkpoint state, for tools that inspect checkpoints.
+pub fn decode_positions(bytes: &[u8]) -> StreamResult<Vec<(String, i32, i64)>> {
     postcard::from_bytes(bytes).map_err(|e| StreamError::State {
         operator: "kafka source".into(),
         action: "decoded",
@@ -180,8 +205,9 @@ impl KafkaSourceConfig {
         }
     }
 
-    fn consumer(&self, name: &str) -> StreamResult<KafkaConsumer> {
+    fn consumer(&self, name: &str, lag: metrics::Gauge) -> StreamResult<KafkaConsumer> {
         let mut fixed = vec![
+            ("statistics.interval.ms", "1000"),
             ("group.id", self.group_id.as_str()),
             ("enable.auto.commit", "false"),
             ("enable.auto.offset.store", "false"),
@@ -191,7 +217,10 @@ impl KafkaSourceConfig {
         ];
         fixed.extend_from_slice(DEFAULT_CLIENT_SETTINGS);
         self.client_config(&fixed)
-            .create_with_context::<_, KafkaConsumer>(SourceContext::default())
+            .create_with_context::<_, KafkaConsumer>(SourceContext {
+                lag,
+                ..SourceContext::default()
+            })
             .map_err(|e| self.rejected(name, "consumer", e))
     }
 
@@ -448,7 +477,14 @@ pub(crate) fn open<D: Decode, V>(
     restored: &[Vec<u8>],
 ) -> StreamResult<Box<dyn Source<D::Out>>> {
     let name = format!("{}[{}]", ctx.name, ctx.subtask);
-    let consumer = config.consumer(&name)?;
+    let labels = [
+        ("operator", ctx.name.clone()),
+        ("subtask", ctx.subtask.to_string()),
+    ];
+    let consumer = config.consumer(
+        &name,
+        metrics::gauge!("tinyflow_kafka_consumer_lag", &labels),
+    )?;
     let all = config.partitions(&consumer, &name)?;
     let owned: Vec<Partition> = all
         .iter()
@@ -516,7 +552,6 @@ pub(crate) fn open<D: Decode, V>(
         bounded = config.bounded,
         "kafka source assigned"
     );
-    let labels = [("operator", ctx.name.clone())];
     let mut topics: Vec<Arc<str>> = owned.iter().map(|(t, _)| Arc::clone(t)).collect();
     topics.dedup();
     let now = Instant::now();
@@ -555,6 +590,7 @@ pub(crate) fn open<D: Decode, V>(
         timing: event_time.map(Timing::of),
         times,
         outcomes: Vec::new(),
+        read: metrics::counter!("tinyflow_kafka_records_read_total", &labels),
     }))
 }
 
@@ -576,6 +612,8 @@ pub(crate) struct Reader<D> {
     /// Event time per owned partition.
     times: BTreeMap<Partition, PartitionTime>,
     outcomes: Vec<Outcome>,
+    /// Records read (good and bad).
+    read: metrics::Counter,
 }
 
 /// The event time read from one partition.
@@ -651,6 +689,7 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
                 msg,
             });
         }
+        self.read.increment(polled.len() as u64);
         let mut out = Vec::new();
         self.outcomes.clear();
         self.decoder.decode(&polled, &mut out, &mut self.outcomes);
