@@ -1,0 +1,223 @@
+//! `tinyflow inspect CATALOG TABLE`: a table's snapshots with the
+//! checkpoint ids and watermarks tinyflow wrote into their summaries, and,
+//! given the job's checkpoint directory, the Kafka positions each retained
+//! checkpoint holds.
+
+#![allow(clippy::print_stdout, reason = "the command's output")]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tinyflow_api::CompletedCheckpoint;
+use tinyflow_connectors_iceberg::{
+    CatalogConfig, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, open_catalog,
+};
+use tinyflow_connectors_kafka::decode_positions;
+use tinyflow_runtime::state::{NodeState, TaskSnapshot};
+
+/// `tinyflow inspect` options.
+#[derive(Debug, clap::Args)]
+pub(crate) struct InspectArgs {
+    /// A sqlite catalog's directory (holding catalog.db and warehouse/), or
+    /// a SQL catalog URI (`postgres://...`, `sqlite:...`; then --warehouse).
+    catalog: String,
+    /// The table, `namespace.table`.
+    table: String,
+    /// The warehouse of a catalog given by URI.
+    #[arg(long)]
+    warehouse: Option<String>,
+    /// The catalog's name (default tinyflow).
+    #[arg(long, default_value = "tinyflow")]
+    catalog_name: String,
+    /// The job's checkpoint directory: adds the Kafka positions of each
+    /// snapshot's checkpoint while it is retained.
+    #[arg(long)]
+    checkpoints: Option<PathBuf>,
+}
+
+fn catalog_config(args: &InspectArgs) -> anyhow::Result<CatalogConfig> {
+    if args.catalog.contains("://") || args.catalog.starts_with("sqlite:") {
+        let warehouse = args
+            .warehouse
+            .clone()
+            .context("a catalog given by URI needs --warehouse")?;
+        return Ok(CatalogConfig::Sql {
+            name: args.catalog_name.clone(),
+            uri: args.catalog.clone(),
+            warehouse,
+            properties: HashMap::new(),
+        });
+    }
+    let dir = tinyflow_cli::absolute_path(&args.catalog);
+    if !dir.join("catalog.db").is_file() {
+        bail!(
+            "{} has no catalog.db: not a sqlite catalog directory",
+            dir.display()
+        );
+    }
+    let CatalogConfig::Sql { uri, warehouse, .. } = CatalogConfig::sqlite(&dir) else {
+        unreachable!("sqlite() is a SQL catalog")
+    };
+    Ok(CatalogConfig::Sql {
+        name: args.catalog_name.clone(),
+        uri,
+        warehouse,
+        properties: HashMap::new(),
+    })
+}
+
+/// (topic, partition, next offset) of every Kafka partition.
+type Positions = Vec<(String, i32, i64)>;
+
+/// Kafka positions per checkpoint id, from the checkpoint files in `dir`
+/// (read only: files that do not decode, e.g. one being written, are
+/// skipped).
+fn positions(dir: &PathBuf) -> anyhow::Result<BTreeMap<u64, Positions>> {
+    let mut out = BTreeMap::new();
+    let entries = std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+    for entry in entries {
+        let path = entry?.path();
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        let Ok(cp): Result<CompletedCheckpoint, _> = tinyflow_checkpoint::store::decode(&bytes)
+        else {
+            continue;
+        };
+        let mut all = Vec::new();
+        for handle in cp.task_states.values() {
+            let snapshot = TaskSnapshot::decode(handle)?;
+            for (_, state) in &snapshot.nodes {
+                if let NodeState::Source(bytes) = state
+                    && let Ok(p) = decode_positions(bytes)
+                {
+                    all.extend(p);
+                }
+            }
+        }
+        all.sort();
+        out.insert(cp.id.get(), all);
+    }
+    Ok(out)
+}
+
+fn millis_utc(ms: i64) -> String {
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms.rem_euclid(1000)
+    )
+}
+
+pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let config = catalog_config(&args)?;
+    let (ns, name) = args
+        .table
+        .rsplit_once('.')
+        .context("TABLE: expected namespace.table")?;
+    let catalog = open_catalog(&config, Duration::from_secs(10)).await?;
+    let ident = iceberg::TableIdent::new(
+        iceberg::NamespaceIdent::from_strs(ns.split('.'))?,
+        name.to_owned(),
+    );
+    let table = catalog
+        .load_table(&ident)
+        .await
+        .with_context(|| format!("loading {} from {}", args.table, config.describe()))?;
+    let positions = match &args.checkpoints {
+        Some(dir) => Some(positions(dir)?),
+        None => None,
+    };
+    let meta = table.metadata();
+    println!("table {} at {}", args.table, meta.location());
+    let committed: Vec<_> = meta
+        .properties()
+        .iter()
+        .filter(|(k, _)| k.starts_with("tinyflow."))
+        .collect();
+    for (k, v) in committed {
+        println!("  property {k} = {v}");
+    }
+    let mut snapshots: Vec<_> = meta.snapshots().collect();
+    snapshots.sort_by_key(|s| s.sequence_number());
+    println!(
+        "{:>20}  {:<24}  {:>10}  {:>12}  {:>6}  {:<12}  {:>10}  {:<24}",
+        "snapshot",
+        "committed at",
+        "added rows",
+        "total rows",
+        "files",
+        "sink",
+        "checkpoint",
+        "watermark"
+    );
+    for s in snapshots {
+        let p = &s.summary().additional_properties;
+        let get = |k: &str| p.get(k).cloned().unwrap_or_else(|| "-".to_owned());
+        let watermark = p
+            .get(SUMMARY_WATERMARK)
+            .and_then(|w| w.parse::<i64>().ok())
+            .map_or_else(|| "-".to_owned(), millis_utc);
+        let checkpoint = get(SUMMARY_CHECKPOINT_ID);
+        println!(
+            "{:>20}  {:<24}  {:>10}  {:>12}  {:>6}  {:<12}  {:>10}  {:<24}",
+            s.snapshot_id(),
+            millis_utc(s.timestamp_ms()),
+            get("added-records"),
+            get("total-records"),
+            get("added-data-files"),
+            get(SUMMARY_SINK_ID),
+            checkpoint,
+            watermark,
+        );
+        if let Some(positions) = &positions
+            && let Ok(id) = checkpoint.parse::<u64>()
+        {
+            match positions.get(&id) {
+                Some(ps) if !ps.is_empty() => {
+                    let list: Vec<String> =
+                        ps.iter().map(|(t, p, o)| format!("{t}/{p}@{o}")).collect();
+                    println!("{:>20}  source positions: {}", "", list.join(" "));
+                }
+                Some(_) => println!("{:>20}  source positions: none recorded", ""),
+                None => println!(
+                    "{:>20}  source positions: checkpoint {id} no longer retained",
+                    ""
+                ),
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_times_format_as_iso_8601() {
+        assert_eq!(super::millis_utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            super::millis_utc(1_767_225_600_123),
+            "2026-01-01T00:00:00.123Z"
+        );
+        assert_eq!(
+            super::millis_utc(951_782_400_000),
+            "2000-02-29T00:00:00.000Z"
+        );
+    }
+}

@@ -1,0 +1,297 @@
+//! The job file as written: TOML sections, checked by serde for unknown
+//! keys and types (`toml` names the key and line); what needs the source
+//! schema is checked by [`JobFile::plan`](crate::JobFile::plan).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::JobFileError;
+
+/// A whole job file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    /// `[job]`
+    pub job: JobSection,
+    /// `[source]`
+    pub source: SourceSection,
+    /// `[[transforms]]`, applied in order.
+    #[serde(default)]
+    pub transforms: Vec<TransformSection>,
+    /// `[sink]`
+    pub sink: SinkSection,
+    /// `[checkpoint]`
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+    /// `[restart]`
+    #[serde(default)]
+    pub restart: RestartSection,
+    /// `[metrics]`
+    #[serde(default)]
+    pub metrics: MetricsSection,
+}
+
+/// `[job]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// The job's id: names its checkpoints, and is the default consumer
+    /// group and sink id.
+    pub name: String,
+    /// Subtasks of the source, transforms and writers unless a section says
+    /// otherwise (default 1).
+    #[serde(default = "one")]
+    pub parallelism: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// `[source]`: a Kafka source of JSON records.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceSection {
+    /// `host:port[,host:port]`
+    pub bootstrap_servers: String,
+    /// Topics to read.
+    pub topics: Vec<String>,
+    /// Consumer group (offsets committed for lag monitoring only); default
+    /// the job name.
+    pub group_id: Option<String>,
+    /// `earliest` (default), `latest`, `committed` or `timestamp:<ms>`.
+    pub start: Option<String>,
+    /// `json` (the only format for now).
+    pub format: Option<String>,
+    /// `fail` (default), `skip` or `dead-letter:<topic>`.
+    pub bad_records: Option<String>,
+    /// Unknown JSON fields make a record bad (default false: ignored).
+    #[serde(default)]
+    pub strict: bool,
+    /// Adds `_kafka_topic`, `_kafka_partition`, `_kafka_offset`,
+    /// `_kafka_timestamp` columns.
+    #[serde(default)]
+    pub metadata_columns: bool,
+    /// Source subtasks (default `job.parallelism`).
+    pub parallelism: Option<usize>,
+    /// Records per batch (default 1024... the source's default).
+    pub batch_size: Option<usize>,
+    /// librdkafka settings passed through (`security.protocol`, ...).
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+    /// The record schema: `[[source.fields]]`, in column order.
+    pub fields: Vec<FieldSection>,
+    /// `[source.event_time]`
+    pub event_time: Option<EventTimeSection>,
+}
+
+/// One field of the source schema.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FieldSection {
+    /// The JSON key and column name.
+    pub name: String,
+    /// `boolean`, `int`, `long`, `float`, `double`, `string`, `date`,
+    /// `timestamp` or `timestamptz`.
+    #[serde(rename = "type")]
+    pub ty: String,
+    /// A record without it (or with null) is bad (default false).
+    #[serde(default)]
+    pub required: bool,
+}
+
+/// `[source.event_time]`: where event time comes from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventTimeSection {
+    /// A `long` (ms since the epoch) or timestamp column of the source.
+    pub column: Option<String>,
+    /// Use the Kafka record timestamp instead.
+    #[serde(default)]
+    pub record_timestamp: bool,
+    /// How late records may arrive (default `0s`).
+    pub max_out_of_orderness: Option<String>,
+    /// A partition quiet this long does not hold event time back (default
+    /// `10s`; `off` to never call it idle).
+    pub idle_timeout: Option<String>,
+}
+
+/// One `[[transforms]]` step: exactly one of its keys.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransformSection {
+    /// Keep these columns, in this order.
+    pub select: Option<Vec<String>>,
+    /// Rename columns: `{ old = "new" }`.
+    pub rename: Option<BTreeMap<String, String>>,
+    /// Keep rows where `<column> <op> <literal>` holds (`op` one of `==`,
+    /// `!=`, `<`, `<=`, `>`, `>=`), or `<column> is null` / `is not null`.
+    pub filter: Option<String>,
+    /// Add (or replace) a column computed from `<operand> <op> <operand>`.
+    pub compute: Option<ComputeSection>,
+}
+
+/// A computed column.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeSection {
+    /// The new column's name.
+    pub column: String,
+    /// `a + b`, `a - b`, `a * b`, `a / b` over columns and number literals,
+    /// or a single column or literal.
+    pub expr: String,
+}
+
+/// `[sink]`: an Iceberg table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinkSection {
+    /// `[sink.catalog]`
+    pub catalog: CatalogSection,
+    /// The table's namespace, dot-separated.
+    pub namespace: String,
+    /// The table's name.
+    pub table: String,
+    /// Creates the table from the transforms' output schema when missing
+    /// (default true).
+    #[serde(default = "yes")]
+    pub create_if_missing: bool,
+    /// The partition spec of a created table.
+    #[serde(default)]
+    pub partition: Vec<PartitionSection>,
+    /// Identifies this job's commits in the table (default the job name).
+    pub sink_id: Option<String>,
+    /// Writer subtasks (default `job.parallelism`).
+    pub parallelism: Option<usize>,
+    /// Roll files at this many bytes (default 128 MiB).
+    pub target_file_size: Option<u64>,
+    /// `zstd` (default), `snappy` or `uncompressed`.
+    pub compression: Option<String>,
+    /// Rows that do not fit the table: `fail` (default) or `skip`.
+    pub bad_records: Option<String>,
+    /// `[sink.commit]`
+    #[serde(default)]
+    pub commit: CommitSection,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `[sink.catalog]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CatalogSection {
+    /// `sqlite` (catalog and warehouse in `dir`) or `sql` (any SQL catalog
+    /// URI, e.g. Postgres, with a `warehouse`).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `sqlite`: the directory holding `catalog.db` and `warehouse/`.
+    pub dir: Option<String>,
+    /// `sql`: `postgres://user:password@host/db` or `sqlite:<path>`.
+    pub uri: Option<String>,
+    /// `sql`: where table data lives (`file:///...`).
+    pub warehouse: Option<String>,
+    /// The catalog's name (default `tinyflow`); readers must use the same.
+    pub name: Option<String>,
+    /// Further catalog properties.
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// One partition field: `{ column = "auction", transform = "bucket[8]" }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartitionSection {
+    /// The source column.
+    pub column: String,
+    /// `identity`, `bucket[N]`, `truncate[W]`, `year`, `month`, `day` or
+    /// `hour`.
+    pub transform: String,
+}
+
+/// `[sink.commit]`: when the committer commits (default: at every
+/// completed checkpoint).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommitSection {
+    /// Once this many completed checkpoints are uncommitted.
+    pub every_checkpoints: Option<u32>,
+    /// Once this long passed since the previous commit.
+    pub interval: Option<String>,
+    /// Once the uncommitted files hold this many bytes.
+    pub max_pending_bytes: Option<u64>,
+}
+
+/// `[checkpoint]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Between checkpoints (default `1s`); `off` turns checkpoints (and so
+    /// commits) off.
+    pub interval: Option<String>,
+    /// Where checkpoints are kept (default `./tinyflow-checkpoints`).
+    pub dir: Option<String>,
+    /// Completed checkpoints kept (default 3).
+    pub retained: Option<usize>,
+    /// A checkpoint not complete after this long is abandoned (default `60s`).
+    pub timeout: Option<String>,
+    /// Failed checkpoints in a row tolerated before the job restarts
+    /// (default the runtime's).
+    pub tolerable_failures: Option<u32>,
+}
+
+/// `[restart]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestartSection {
+    /// `exponential` (default), `fixed` or `none`.
+    pub strategy: Option<String>,
+    /// Restarts allowed (default 10).
+    pub max_attempts: Option<u32>,
+    /// `fixed`: pause before each restart (default `1s`).
+    pub delay: Option<String>,
+    /// `exponential`: first pause (default `500ms`).
+    pub initial: Option<String>,
+    /// `exponential`: longest pause (default `60s`).
+    pub max: Option<String>,
+    /// `exponential`: growth factor (default 2).
+    pub multiplier: Option<f64>,
+}
+
+/// `[metrics]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    /// Serves Prometheus metrics at `http://<address>/metrics`, e.g.
+    /// `127.0.0.1:9898` (default: no endpoint).
+    pub address: Option<String>,
+}
+
+impl JobFile {
+    /// Parses a job file's text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<JobFile, JobFileError> {
+        toml::from_str(text).map_err(|e| {
+            let Some(span) = e.span() else {
+                return JobFileError::new(origin, e.message());
+            };
+            // The line the error points at, quoted: it names the key.
+            let line = text[..span.start].matches('\n').count() + 1;
+            let quoted = text.lines().nth(line - 1).unwrap_or("").trim();
+            JobFileError::new(
+                format!("{origin}:{line}"),
+                format!("`{quoted}`: {}", e.message().trim()),
+            )
+        })
+    }
+
+    /// Reads and parses a job file.
+    pub fn load(path: &Path) -> Result<JobFile, JobFileError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| JobFileError::new(&origin, format!("cannot read the job file: {e}")))?;
+        JobFile::parse(&text, &origin)
+    }
+}

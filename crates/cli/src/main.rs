@@ -1,0 +1,142 @@
+//! `tinyflow`: run a Kafka -> Iceberg job from a TOML file, check one, run
+//! the zero-setup demo, or inspect a table's snapshots.
+
+mod demo;
+mod inspect;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tinyflow_cli::{JobFile, install_metrics};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tinyflow",
+    version,
+    about = "Exactly-once Kafka -> Apache Iceberg"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs the job a TOML file describes until it ends or fails past its
+    /// restart strategy. Stop it any time (Ctrl-C, or kill): the next run
+    /// goes on from the last completed checkpoint.
+    Run {
+        /// The job file.
+        job: PathBuf,
+    },
+    /// Checks a job file without connecting to anything.
+    Validate {
+        /// The job file.
+        job: PathBuf,
+    },
+    /// Zero setup: an in-process Kafka cluster fed with Nexmark bids, a
+    /// job into an Iceberg table in a local sqlite catalog, a live progress
+    /// line, then a check that the table holds every bid exactly once.
+    Demo(demo::DemoArgs),
+    /// Lists a table's snapshots with the checkpoint ids, watermarks and
+    /// (given the checkpoint directory) source positions that made them.
+    Inspect(inspect::InspectArgs),
+}
+
+fn init_tracing(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TINYFLOW_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[allow(
+    clippy::print_stderr,
+    clippy::print_stdout,
+    reason = "a command line tool's output"
+)]
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Validate { job } => {
+                let plan = JobFile::load(&job).and_then(|f| f.plan())?;
+                let columns: Vec<String> = plan
+                    .output_schema
+                    .fields()
+                    .iter()
+                    .map(|f| format!("{}: {}", f.name(), f.data_type()))
+                    .collect();
+                println!(
+                    "{}: ok; job `{}` writes {}.{} with columns {}",
+                    job.display(),
+                    plan.job_id,
+                    plan.sink.namespace.join("."),
+                    plan.sink.table,
+                    columns.join(", ")
+                );
+                Ok(())
+            }
+            Command::Run { job } => {
+                init_tracing("info");
+                let plan = JobFile::load(&job).and_then(|f| f.plan())?;
+                install_metrics(plan.metrics_address)?;
+                let report = tokio::select! {
+                    r = plan.run() => r?,
+                    _ = shutdown_signal() => {
+                        tracing::info!("stopping on a signal; the next run goes on from the last completed checkpoint");
+                        return Ok(());
+                    }
+                };
+                tracing::info!(attempts = report.attempts, final_checkpoint = ?report.final_checkpoint, "job ended");
+                Ok(())
+            }
+            Command::Demo(args) => {
+                init_tracing("warn");
+                demo::run(args).await
+            }
+            Command::Inspect(args) => {
+                init_tracing("warn");
+                inspect::run(args).await
+            }
+        }
+    });
+    // Do not wait for blocking threads (a Kafka client's close) on exit.
+    runtime.shutdown_background();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let e: anyhow::Error = e;
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,611 @@
+//! From a parsed job file to a job graph, a runtime configuration and a
+//! checkpoint store: every check that needs more than TOML syntax.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tinyflow_api::{JobBuilder, JobGraph, JobId};
+use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
+use tinyflow_connectors_iceberg::{
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
+    IcebergSinkConfig, PartitionField, TableSpec,
+};
+use tinyflow_connectors_kafka::{
+    BadRecordPolicy, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig, StartPosition,
+};
+use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig};
+
+use crate::jobfile::{CatalogSection, JobFile, RestartSection, SourceSection};
+use crate::transform::{TransformFactory, Transforms};
+use crate::{JobFileError, parse_duration};
+
+/// A checked job file, ready to run.
+#[derive(Debug)]
+pub struct JobPlan {
+    /// The job's id.
+    pub job_id: JobId,
+    /// The source's output schema (with metadata columns).
+    pub source_schema: SchemaRef,
+    /// What the sink receives.
+    pub output_schema: SchemaRef,
+    /// How it runs.
+    pub runtime: RuntimeConfig,
+    /// Where checkpoints go.
+    pub checkpoint_dir: PathBuf,
+    /// Checkpoints kept.
+    pub retained: usize,
+    /// The Prometheus endpoint, if any.
+    pub metrics_address: Option<SocketAddr>,
+    /// The sink's configuration (catalog, table).
+    pub sink: IcebergSinkConfig,
+    graph: JobGraph,
+}
+
+fn err(key: &str, message: impl Into<String>) -> JobFileError {
+    JobFileError::new(key, message)
+}
+
+fn duration(key: &str, value: &str) -> Result<Duration, JobFileError> {
+    parse_duration(value).map_err(|m| err(key, m))
+}
+
+fn arrow_type(key: &str, ty: &str) -> Result<DataType, JobFileError> {
+    Ok(match ty.trim().to_ascii_lowercase().as_str() {
+        "boolean" | "bool" => DataType::Boolean,
+        "int" | "integer" => DataType::Int32,
+        "long" | "bigint" => DataType::Int64,
+        "float" => DataType::Float32,
+        "double" => DataType::Float64,
+        "string" => DataType::Utf8,
+        "date" => DataType::Date32,
+        "timestamp" => DataType::Timestamp(TimeUnit::Microsecond, None),
+        "timestamptz" => DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into())),
+        other => {
+            return Err(err(
+                key,
+                format!(
+                    "unknown type `{other}`; expected one of boolean, int, long, float, double, \
+                     string, date, timestamp, timestamptz"
+                ),
+            ));
+        }
+    })
+}
+
+/// The Iceberg column type of an Arrow type the transforms can output.
+fn column_type(field: &Field) -> Result<ColumnType, String> {
+    Ok(match field.data_type() {
+        DataType::Boolean => ColumnType::Boolean,
+        DataType::Int8 | DataType::Int16 | DataType::Int32 => ColumnType::Int,
+        DataType::Int64 => ColumnType::Long,
+        DataType::Float32 => ColumnType::Float,
+        DataType::Float64 => ColumnType::Double,
+        DataType::Utf8 | DataType::LargeUtf8 => ColumnType::String,
+        DataType::Date32 => ColumnType::Date,
+        DataType::Timestamp(_, None) => ColumnType::Timestamp,
+        DataType::Timestamp(_, Some(_)) => ColumnType::Timestamptz,
+        other => {
+            return Err(format!(
+                "column `{}` is {other}, which has no Iceberg type here",
+                field.name()
+            ));
+        }
+    })
+}
+
+fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobFileError> {
+    if s.bootstrap_servers.trim().is_empty() {
+        return Err(err(
+            "source.bootstrap_servers",
+            "expected host:port[,host:port]",
+        ));
+    }
+    if s.topics.is_empty() || s.topics.iter().any(|t| t.trim().is_empty()) {
+        return Err(err(
+            "source.topics",
+            "expected at least one non-empty topic name",
+        ));
+    }
+    let topics: Vec<&str> = s.topics.iter().map(String::as_str).collect();
+    let group = s.group_id.clone().unwrap_or_else(|| job.to_owned());
+    let mut c = KafkaSourceConfig::new(s.bootstrap_servers.clone(), &topics, group);
+    c.start = match s.start.as_deref().map(str::trim) {
+        None | Some("earliest") => StartPosition::Earliest,
+        Some("latest") => StartPosition::Latest,
+        Some("committed") => StartPosition::Committed,
+        Some(other) => match other
+            .strip_prefix("timestamp:")
+            .map(|t| t.trim().parse::<i64>())
+        {
+            Some(Ok(ms)) => StartPosition::Timestamp(ms),
+            _ => {
+                return Err(err(
+                    "source.start",
+                    format!(
+                        "`{other}`: expected earliest, latest, committed or timestamp:<ms since the epoch>"
+                    ),
+                ));
+            }
+        },
+    };
+    c.bad_records = match s.bad_records.as_deref().map(str::trim) {
+        None | Some("fail") => BadRecordPolicy::Fail,
+        Some("skip") => BadRecordPolicy::Skip,
+        Some(other) => match other.strip_prefix("dead-letter:").map(str::trim) {
+            Some(topic) if !topic.is_empty() => BadRecordPolicy::DeadLetter {
+                topic: topic.to_owned(),
+            },
+            _ => {
+                return Err(err(
+                    "source.bad_records",
+                    format!("`{other}`: expected fail, skip or dead-letter:<topic>"),
+                ));
+            }
+        },
+    };
+    match s.format.as_deref() {
+        None | Some("json") => {}
+        Some(other) => {
+            return Err(err("source.format", format!("`{other}`: expected json")));
+        }
+    }
+    if let Some(b) = s.batch_size {
+        if b == 0 {
+            return Err(err("source.batch_size", "expected at least 1"));
+        }
+        c.batch_size = b;
+    }
+    c.properties = s.properties.clone();
+    Ok(c)
+}
+
+fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
+    let name = c.name.clone().unwrap_or_else(|| "tinyflow".to_owned());
+    let properties: HashMap<String, String> = c.properties.clone().into_iter().collect();
+    match c.kind.as_str() {
+        "sqlite" => {
+            let dir = c
+                .dir
+                .as_deref()
+                .ok_or_else(|| err("sink.catalog.dir", "a sqlite catalog needs `dir`"))?;
+            let dir = absolute_path(dir);
+            let CatalogConfig::Sql { uri, warehouse, .. } = CatalogConfig::sqlite(&dir) else {
+                unreachable!("sqlite() is a SQL catalog")
+            };
+            Ok(CatalogConfig::Sql {
+                name,
+                uri,
+                warehouse,
+                properties,
+            })
+        }
+        "sql" => {
+            let uri = c
+                .uri
+                .clone()
+                .ok_or_else(|| err("sink.catalog.uri", "a sql catalog needs `uri`"))?;
+            let warehouse = c
+                .warehouse
+                .clone()
+                .ok_or_else(|| err("sink.catalog.warehouse", "a sql catalog needs `warehouse`"))?;
+            Ok(CatalogConfig::Sql {
+                name,
+                uri,
+                warehouse,
+                properties,
+            })
+        }
+        other => Err(err(
+            "sink.catalog.type",
+            format!("`{other}`: expected sqlite or sql"),
+        )),
+    }
+}
+
+/// `dir` made absolute against the working directory (file URIs need it).
+pub fn absolute_path(dir: &str) -> PathBuf {
+    let p = PathBuf::from(dir);
+    if p.is_absolute() {
+        p
+    } else {
+        std::env::current_dir().map_or(p.clone(), |cwd| cwd.join(p))
+    }
+}
+
+fn restart(r: &RestartSection) -> Result<RestartStrategy, JobFileError> {
+    let max_attempts = r.max_attempts.unwrap_or(10);
+    Ok(match r.strategy.as_deref().unwrap_or("exponential") {
+        "none" => RestartStrategy::None,
+        "fixed" => RestartStrategy::FixedDelay {
+            delay: duration("restart.delay", r.delay.as_deref().unwrap_or("1s"))?,
+            max_attempts,
+        },
+        "exponential" => {
+            let multiplier = r.multiplier.unwrap_or(2.0);
+            if !(multiplier >= 1.0 && multiplier.is_finite()) {
+                return Err(err("restart.multiplier", "expected a number of at least 1"));
+            }
+            RestartStrategy::ExponentialBackoff {
+                initial: duration("restart.initial", r.initial.as_deref().unwrap_or("500ms"))?,
+                max: duration("restart.max", r.max.as_deref().unwrap_or("60s"))?,
+                multiplier,
+                max_attempts,
+            }
+        }
+        other => {
+            return Err(err(
+                "restart.strategy",
+                format!("`{other}`: expected exponential, fixed or none"),
+            ));
+        }
+    })
+}
+
+impl JobFile {
+    /// Checks everything that does not need a connection and builds the job
+    /// graph: the schema, event time, transforms against the schema, the
+    /// table spec, durations, the metrics address.
+    pub fn plan(&self) -> Result<JobPlan, JobFileError> {
+        let job_id =
+            JobId::new(self.job.name.clone()).map_err(|e| err("job.name", e.to_string()))?;
+        if self.job.parallelism == 0 {
+            return Err(err("job.parallelism", "expected at least 1"));
+        }
+        let s = &self.source;
+        if s.fields.is_empty() {
+            return Err(err(
+                "source.fields",
+                "expected at least one [[source.fields]]",
+            ));
+        }
+        let mut fields = Vec::with_capacity(s.fields.len());
+        for (i, f) in s.fields.iter().enumerate() {
+            if f.name.is_empty() {
+                return Err(err(&format!("source.fields[{i}].name"), "expected a name"));
+            }
+            if fields.iter().any(|g: &Field| g.name() == &f.name) {
+                return Err(err(
+                    &format!("source.fields[{i}].name"),
+                    format!("`{}` is declared twice", f.name),
+                ));
+            }
+            let ty = arrow_type(&format!("source.fields[{i}].type"), &f.ty)?;
+            fields.push(Field::new(&f.name, ty, !f.required));
+        }
+        let mut format = JsonArrow::new(Arc::new(Schema::new(fields)));
+        if s.strict {
+            format = format.strict();
+        }
+        if s.metadata_columns {
+            format = format.with_metadata_columns();
+        }
+        let mut source = KafkaArrowSource::new(source_config(s, &self.job.name)?, format);
+        if let Some(et) = &s.event_time {
+            let mut e = match (&et.column, et.record_timestamp) {
+                (Some(c), false) => EventTime::column(c.clone()),
+                (None, true) => EventTime::record_timestamp(),
+                _ => {
+                    return Err(err(
+                        "source.event_time",
+                        "expected either `column` or `record_timestamp = true`",
+                    ));
+                }
+            };
+            if let Some(d) = &et.max_out_of_orderness {
+                e = e.max_out_of_orderness(duration("source.event_time.max_out_of_orderness", d)?);
+            }
+            if let Some(d) = &et.idle_timeout {
+                e = e.idle_timeout(if d == "off" {
+                    None
+                } else {
+                    Some(duration("source.event_time.idle_timeout", d)?)
+                });
+            }
+            source = source.with_event_time(e);
+        }
+        source.validate().map_err(|e| match e {
+            tinyflow_api::StreamError::Config { key, message } => err(key, message),
+            other => err("source", other.to_string()),
+        })?;
+        let source_schema = source.output_schema();
+        let transforms = Transforms::plan(&self.transforms, Arc::clone(&source_schema))?;
+        let output_schema = transforms.output();
+
+        let k = &self.sink;
+        let sink_id = k.sink_id.clone().unwrap_or_else(|| self.job.name.clone());
+        let mut sc = IcebergSinkConfig::new(catalog(&k.catalog)?, &k.namespace, &k.table, &sink_id);
+        if k.create_if_missing {
+            let mut columns = Vec::with_capacity(output_schema.fields().len());
+            for f in output_schema.fields() {
+                let ty = column_type(f)
+                    .map_err(|m| err("sink", format!("the transforms' output: {m}")))?;
+                columns.push(if f.is_nullable() {
+                    Column::optional(f.name(), ty)
+                } else {
+                    Column::required(f.name(), ty)
+                });
+            }
+            let mut partition = Vec::with_capacity(k.partition.len());
+            for (i, p) in k.partition.iter().enumerate() {
+                if output_schema.index_of(&p.column).is_err() {
+                    return Err(err(
+                        &format!("sink.partition[{i}].column"),
+                        format!("no column `{}` in the table", p.column),
+                    ));
+                }
+                partition.push(PartitionField::new(&p.column, &p.transform));
+            }
+            sc = sc.create_if_missing(TableSpec { columns, partition });
+        } else if !k.partition.is_empty() {
+            return Err(err(
+                "sink.partition",
+                "only used to create a table; set create_if_missing = true or remove it",
+            ));
+        }
+        if let Some(b) = k.target_file_size {
+            sc.target_file_size =
+                usize::try_from(b).map_err(|_| err("sink.target_file_size", "too large"))?;
+        }
+        if let Some(c) = &k.compression {
+            sc.compression = c
+                .parse::<Compression>()
+                .map_err(|m| err("sink.compression", m))?;
+        }
+        if let Some(b) = &k.bad_records {
+            sc.bad_records = b
+                .parse::<BadRecords>()
+                .map_err(|m| err("sink.bad_records", m))?;
+        }
+        sc.cadence = CommitCadence {
+            every_checkpoints: k.commit.every_checkpoints,
+            interval: k
+                .commit
+                .interval
+                .as_deref()
+                .map(|d| duration("sink.commit.interval", d))
+                .transpose()?,
+            max_pending_bytes: k.commit.max_pending_bytes,
+        };
+        sc.validate().map_err(|e| match e {
+            tinyflow_api::StreamError::Config { key, message } => {
+                err(&format!("sink ({key})"), message)
+            }
+            other => err("sink", other.to_string()),
+        })?;
+
+        let c = &self.checkpoint;
+        let mut checkpoint = CheckpointConfig {
+            interval: match c.interval.as_deref() {
+                Some("off") => None,
+                other => Some(duration("checkpoint.interval", other.unwrap_or("1s"))?),
+            },
+            timeout: duration("checkpoint.timeout", c.timeout.as_deref().unwrap_or("60s"))?,
+            ..CheckpointConfig::default()
+        };
+        if let Some(t) = c.tolerable_failures {
+            checkpoint.tolerable_failures = t;
+        }
+        let retained = c.retained.unwrap_or(3);
+        if retained == 0 {
+            return Err(err("checkpoint.retained", "expected at least 1"));
+        }
+        let runtime = RuntimeConfig {
+            checkpoint,
+            restart: restart(&self.restart)?,
+            ..RuntimeConfig::default()
+        };
+        let metrics_address = self
+            .metrics
+            .address
+            .as_deref()
+            .map(|a| {
+                a.parse::<SocketAddr>().map_err(|e| {
+                    err(
+                        "metrics.address",
+                        format!("`{a}`: {e}; expected host:port like 127.0.0.1:9898"),
+                    )
+                })
+            })
+            .transpose()?;
+
+        let sink = IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?;
+        let job = JobBuilder::new(job_id.clone());
+        let source_parallelism = s.parallelism.unwrap_or(self.job.parallelism);
+        let sink_parallelism = k.parallelism.unwrap_or(self.job.parallelism);
+        if source_parallelism == 0 {
+            return Err(err("source.parallelism", "expected at least 1"));
+        }
+        if sink_parallelism == 0 {
+            return Err(err("sink.parallelism", "expected at least 1"));
+        }
+        let stream = job.source("kafka", source_parallelism, source);
+        let stream = if self.transforms.is_empty() {
+            stream
+        } else {
+            stream.transform::<RecordBatch>(
+                "transforms",
+                TransformFactory {
+                    transforms: Arc::new(transforms),
+                },
+            )
+        };
+        sink.attach(stream, "iceberg", sink_parallelism);
+        let graph = job.build().map_err(|e| err("job", e.to_string()))?;
+        checkpoint_check(&runtime)?;
+        Ok(JobPlan {
+            job_id,
+            source_schema,
+            output_schema,
+            runtime,
+            checkpoint_dir: absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints")),
+            retained,
+            metrics_address,
+            sink: sc,
+            graph,
+        })
+    }
+}
+
+fn checkpoint_check(runtime: &RuntimeConfig) -> Result<(), JobFileError> {
+    runtime
+        .checkpoint
+        .validate(true)
+        .map_err(|e| err("checkpoint", e.to_string()))
+}
+
+/// Installs the global metrics recorder; with an address, also serves
+/// `http://address/metrics`. The handle renders what a scrape would see.
+pub fn install_metrics(address: Option<SocketAddr>) -> anyhow::Result<PrometheusHandle> {
+    let builder = PrometheusBuilder::new();
+    match address {
+        Some(addr) => {
+            let (recorder, exporter) = builder
+                .with_http_listener(addr)
+                .build()
+                .map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)
+                .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
+            tokio::spawn(async move {
+                if let Err(e) = exporter.await {
+                    tracing::error!(error = ?e, "the metrics endpoint stopped");
+                }
+            });
+            tracing::info!(address = %addr, "serving Prometheus metrics at /metrics");
+            Ok(handle)
+        }
+        None => builder
+            .install_recorder()
+            .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}")),
+    }
+}
+
+impl JobPlan {
+    /// Runs the job until it ends or fails past its restart strategy.
+    pub async fn run(self) -> anyhow::Result<JobReport> {
+        let store = LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("checkpoint.dir {}: {e}", self.checkpoint_dir.display())
+            })?;
+        tracing::info!(
+            job = %self.job_id,
+            checkpoints = %self.checkpoint_dir.display(),
+            catalog = %self.sink.catalog.describe(),
+            table = %format!("{}.{}", self.sink.namespace.join("."), self.sink.table),
+            "running job"
+        );
+        let report = JobRunner::new(self.graph, Arc::new(store), self.runtime)
+            .run()
+            .await?;
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use crate::JobFile;
+
+    const EXAMPLE: &str = include_str!("../../../examples/jobs/bids.toml");
+
+    fn plan_error(edit: impl Fn(&str) -> String) -> String {
+        let text = edit(EXAMPLE);
+        assert_ne!(text, EXAMPLE, "the edit changed nothing");
+        match JobFile::parse(&text, "job.toml").and_then(|f| f.plan()) {
+            Ok(_) => panic!("the edited job file was accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn the_example_job_file_plans_to_the_documented_table() {
+        let plan = JobFile::parse(EXAMPLE, "bids.toml")
+            .unwrap()
+            .plan()
+            .unwrap();
+        let columns: Vec<String> = plan
+            .output_schema
+            .fields()
+            .iter()
+            .map(|f| format!("{}:{}", f.name(), f.data_type()))
+            .collect();
+        assert_eq!(
+            columns,
+            [
+                "id:Int64",
+                "auction:Int64",
+                "bidder:Int64",
+                "price:Int64",
+                "channel:Utf8",
+                "event_time_ms:Int64",
+                "price_eur:Float64"
+            ]
+        );
+        assert_eq!(plan.sink.table, "bids");
+        assert_eq!(
+            plan.runtime.checkpoint.interval,
+            Some(std::time::Duration::from_secs(1))
+        );
+        assert_eq!(plan.metrics_address.unwrap().port(), 9898);
+    }
+
+    #[test]
+    fn a_wrong_job_file_is_refused_naming_the_key() {
+        for (edit, want) in [
+            (
+                ("retained = 3", "retaind = 3"),
+                "job.toml:73: `retaind = 3`: unknown field `retaind`",
+            ),
+            (
+                ("parallelism = 2 ", "parallelism = \"two\" "),
+                "job.toml:7: `parallelism = \"two\"",
+            ),
+            (
+                ("interval = \"1s\"", "interval = \"1 sec\""),
+                "checkpoint.interval: `1 sec`: unknown unit `sec`",
+            ),
+            (
+                ("filter = \"price >= 100\"", "filter = \"prce >= 100\""),
+                "transforms[0].filter: no column `prce` at this step",
+            ),
+            (
+                ("type = \"string\"", "type = \"text\""),
+                "source.fields[4].type: unknown type `text`",
+            ),
+            (
+                ("bad_records = \"skip\"", "bad_records = \"ignore\""),
+                "source.bad_records: `ignore`: expected fail, skip or dead-letter:<topic>",
+            ),
+            (
+                (
+                    "column = \"auction\", transform",
+                    "column = \"auctions\", transform",
+                ),
+                "sink.partition[0].column: no column `auctions`",
+            ),
+            (
+                ("address = \"127.0.0.1:9898\"", "address = \"localhost\""),
+                "metrics.address: `localhost`",
+            ),
+            (
+                ("strategy = \"exponential\"", "strategy = \"forever\""),
+                "restart.strategy: `forever`: expected exponential, fixed or none",
+            ),
+            (
+                ("type = \"sqlite\"", "type = \"hive\""),
+                "sink.catalog.type: `hive`: expected sqlite or sql",
+            ),
+        ] {
+            let err = plan_error(|t| t.replacen(edit.0, edit.1, 1));
+            assert!(err.starts_with(want), "{edit:?}: got {err}");
+        }
+    }
+}
