@@ -1,10 +1,11 @@
 """Reads an Iceberg table with pyiceberg, independently of tinyflow's Rust
 code, and prints what the tests check as one JSON object:
 
-    python read_table.py CATALOG_NAME CATALOG_DIR NAMESPACE.TABLE [ID_COLUMN]
+    python read_table.py CATALOG_NAME CATALOG_DIR NAMESPACE.TABLE [ID_COLUMN [SUM_COLUMN]]
 
 CATALOG_DIR holds catalog.db and warehouse/ (as `CatalogConfig::sqlite`
 lays them out). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
+value_sum (the sum of SUM_COLUMN, when given),
 partitions (the distinct partition values of the data files, each
 {field: value as a string}, sorted), snapshots (each
 snapshot's summary, oldest first), properties (the table's).
@@ -19,6 +20,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 def main() -> None:
     name, directory, table_name = sys.argv[1], sys.argv[2], sys.argv[3]
     id_column = sys.argv[4] if len(sys.argv) > 4 else "id"
+    sum_column = sys.argv[5] if len(sys.argv) > 5 else None
     catalog = SqlCatalog(
         name,
         uri=f"sqlite:///{directory}/catalog.db",
@@ -42,6 +44,9 @@ def main() -> None:
                 "id_sum": sum(ids),
                 "id_min": min(ids) if ids else None,
                 "id_max": max(ids) if ids else None,
+                "value_sum": sum(data.column(sum_column).to_pylist())
+                if sum_column and data.num_rows
+                else None,
                 "partitions": [json.loads(p) for p in partitions],
                 "snapshots": [
                     {k: v for k, v in (s.summary.additional_properties or {}).items()}

@@ -87,6 +87,13 @@ fn ci() -> Result<()> {
     // Integration tests read and write a real Kafka broker; it stops when
     // `broker` is dropped, also when a step fails.
     let broker = kafka::CiBroker::start()?;
+    // The chaos test runs the `tinyflow` binary as a child process; it is
+    // built into the same target directory as this one.
+    run(
+        "tinyflow binary",
+        &mut cargo(&["build", "-p", "tinyflow-cli", "--bin", "tinyflow"]),
+    )?;
+    let tinyflow = std::env::current_exe()?.with_file_name("tinyflow");
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
@@ -94,7 +101,8 @@ fn ci() -> Result<()> {
             .env("TINYFLOW_PYTHON", &python)
             // Tests that stop and restart a broker of their own run this
             // binary's `kafka` command.
-            .env("TINYFLOW_XTASK", std::env::current_exe()?),
+            .env("TINYFLOW_XTASK", std::env::current_exe()?)
+            .env("TINYFLOW_BIN", &tinyflow),
         &mut counts,
     )?;
     drop(broker);

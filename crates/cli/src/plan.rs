@@ -13,8 +13,8 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tinyflow_api::{JobBuilder, JobGraph, JobId};
 use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
 use tinyflow_connectors_iceberg::{
-    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
-    IcebergSinkConfig, PartitionField, TableSpec,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
+    FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec,
 };
 use tinyflow_connectors_kafka::{
     BadRecordPolicy, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig, StartPosition,
@@ -372,6 +372,7 @@ impl JobFile {
                 .transpose()?,
             max_pending_bytes: k.commit.max_pending_bytes,
         };
+        sc.fault_hook = chaos_commit_pause();
         sc.validate().map_err(|e| match e {
             tinyflow_api::StreamError::Config { key, message } => {
                 err(&format!("sink ({key})"), message)
@@ -450,6 +451,32 @@ impl JobFile {
             graph,
         })
     }
+}
+
+/// The chaos test's knob: with `TINYFLOW_CHAOS_COMMIT_PAUSE_MS` set, every
+/// commit pauses that long just before and just after the catalog update,
+/// saying so on stderr (`CHAOS commit paused before|after update`), so the
+/// test can kill the process inside a commit. Nothing else changes.
+fn chaos_commit_pause() -> Option<FaultHook> {
+    let ms: u64 = std::env::var("TINYFLOW_CHAOS_COMMIT_PAUSE_MS")
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(Arc::new(move |step| {
+        Box::pin(async move {
+            let at = match step {
+                CommitStep::BeforeUpdate { .. } => "before",
+                CommitStep::AfterUpdate { .. } => "after",
+                CommitStep::Refreshed { .. } => return Fault::Proceed,
+            };
+            #[allow(clippy::print_stderr, reason = "the chaos test watches stderr for it")]
+            {
+                eprintln!("CHAOS commit paused {at} update");
+            }
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Fault::Proceed
+        })
+    }))
 }
 
 fn checkpoint_check(runtime: &RuntimeConfig) -> Result<(), JobFileError> {

@@ -341,11 +341,7 @@ fn parse_filter(key: &str, text: &str, schema: &Schema) -> Result<TransformOp, J
             "booleans compare with == or != only",
         ));
     }
-    Ok(TransformOp::Compare {
-        column,
-        op,
-        value,
-    })
+    Ok(TransformOp::Compare { column, op, value })
 }
 
 fn parse_operand(key: &str, text: &str, schema: &Schema) -> Result<Operand, JobFileError> {

@@ -1,0 +1,328 @@
+//! The whole chain under crashes: `tinyflow run JOB.toml` as a child
+//! process, reading a real Kafka broker of the test's own into an Iceberg
+//! table in a sqlite catalog, killed with SIGKILL again and again (at random
+//! moments, and inside commits: just before and just after the catalog
+//! update) and restarted; the broker itself is killed and restarted once
+//! mid-run. At the end pyiceberg reads the table: N rows, N distinct ids,
+//! and sums of ids and prices equal to what was produced.
+//!
+//! `TINYFLOW_CHAOS_KILLS` (default 10, at least 10) and
+//! `TINYFLOW_CHAOS_RECORDS` (default 60000) make it harder.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tinyflow_connectors_kafka::testing::{create_topic, produce_stream};
+use tinyflow_tests::SplitMix64;
+use tinyflow_tests::broker::OwnBroker;
+
+const TOPIC: &str = "chaos-bids";
+const PARTITIONS: i32 = 4;
+
+fn env_count(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name}={v}: expected a number"))
+        })
+        .unwrap_or(default)
+}
+
+/// The `tinyflow` binary: `TINYFLOW_BIN` (set by `cargo xtask ci`), else
+/// next to this test binary's directory.
+fn tinyflow_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("TINYFLOW_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let guess = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("tinyflow"))
+        .unwrap();
+    assert!(
+        guess.is_file(),
+        "the chaos test runs the tinyflow binary, and {} does not exist: \
+         `cargo build -p tinyflow-cli` first, or set TINYFLOW_BIN (cargo xtask ci does both)",
+        guess.display()
+    );
+    guess
+}
+
+fn job_file(dir: &Path, bootstrap: &str) -> PathBuf {
+    let text = format!(
+        r#"
+[job]
+name = "chaos"
+parallelism = 2
+
+[source]
+bootstrap_servers = "{bootstrap}"
+topics = ["{TOPIC}"]
+fields = [
+  {{ name = "id", type = "long", required = true }},
+  {{ name = "price", type = "long", required = true }},
+  {{ name = "pad", type = "string" }},
+]
+
+[[transforms]]
+compute = {{ column = "price_eur", expr = "price / 100" }}
+
+[sink]
+namespace = "chaos"
+table = "bids"
+partition = [{{ column = "id", transform = "bucket[4]" }}]
+catalog = {{ type = "sqlite", dir = "{dir}" }}
+
+[checkpoint]
+interval = "300ms"
+dir = "{dir}/checkpoints"
+
+[restart]
+strategy = "fixed"
+delay = "500ms"
+max_attempts = 1000
+"#,
+        dir = dir.display()
+    );
+    let path = dir.join("job.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A running `tinyflow run` and the lines of its stderr.
+struct Run {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: PathBuf,
+}
+
+impl Run {
+    fn start(job: &Path, dir: &Path, n: u32) -> Run {
+        let mut child = Command::new(tinyflow_bin())
+            .args(["run", job.to_str().unwrap()])
+            .env("TINYFLOW_CHAOS_COMMIT_PAUSE_MS", "150")
+            .env("TINYFLOW_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        let log = dir.join(format!("run-{n}.log"));
+        let mut file = std::fs::File::create(&log).unwrap();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = writeln!(file, "{line}");
+                let _ = tx.send(line);
+            }
+        });
+        Run { child, lines, log }
+    }
+
+    /// Waits for a stderr line containing `marker`.
+    fn wait_for(&mut self, marker: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(marker) => return true,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        false
+    }
+
+    fn assert_alive(&mut self) {
+        if let Some(status) = self.child.try_wait().unwrap() {
+            panic!(
+                "tinyflow run exited by itself ({status}); its log: {}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+    }
+
+    /// SIGKILL, as a crash.
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+/// Rows in the table's current snapshot, by iceberg-rust (for polling;
+/// the verdict is pyiceberg's).
+async fn committed_rows(dir: &Path) -> u64 {
+    let catalog = tinyflow_connectors_iceberg::open_catalog(
+        &tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let ident = iceberg::TableIdent::from_strs(["chaos", "bids"]).unwrap();
+    let Ok(table) = catalog.load_table(&ident).await else {
+        return 0;
+    };
+    table
+        .metadata()
+        .current_snapshot()
+        .and_then(|s| {
+            s.summary()
+                .additional_properties
+                .get("total-records")
+                .cloned()
+        })
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
+}
+
+fn pyiceberg(dir: &Path) -> serde_json::Value {
+    let py = std::env::var("TINYFLOW_PYTHON").map_or_else(
+        |_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/pyiceberg-venv/bin/python"),
+        PathBuf::from,
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/read_table.py");
+    let out = Command::new(&py)
+        .arg(&script)
+        .args([
+            "tinyflow",
+            dir.to_str().unwrap(),
+            "chaos.bids",
+            "id",
+            "price",
+        ])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "pyiceberg is needed: could not run {} ({e}); run `cargo xtask py-setup`",
+                py.display()
+            )
+        });
+    assert!(
+        out.status.success(),
+        "pyiceberg failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn price_of(id: u64) -> u64 {
+    100 + id * 7 % 9_900
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_record_once() {
+    let kills = env_count("TINYFLOW_CHAOS_KILLS", 10).max(10);
+    let n = env_count("TINYFLOW_CHAOS_RECORDS", 60_000);
+    let broker = OwnBroker::start();
+    let bootstrap = broker.bootstrap.clone();
+    create_topic(&bootstrap, TOPIC, PARTITIONS).await.unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = job_file(&dir, &bootstrap);
+
+    // Produced while the job is killed and restarted: about a quarter up
+    // front, the rest paced over the run (idempotent producer, so the broker
+    // restart cannot write a record twice).
+    let paced_from = n / 4;
+    let per_second = (n - paced_from) / (kills * 2 / 3).max(1);
+    let producer = {
+        let bootstrap = bootstrap.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let records = (0..n).map(move |id| {
+                if id >= paced_from {
+                    let due = Duration::from_secs_f64((id - paced_from) as f64 / per_second as f64);
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+                let value = format!(
+                    r#"{{"id":{id},"price":{},"pad":"{}"}}"#,
+                    price_of(id),
+                    "x".repeat(64)
+                );
+                ((id % PARTITIONS as u64) as i32, value.into_bytes())
+            });
+            produce_stream(&bootstrap, TOPIC, &[], records)
+        })
+    };
+
+    let mut rng = SplitMix64::new(0x00C0_FFEE ^ n);
+    let mut in_commit = 0;
+    for k in 0..kills {
+        let mut run = Run::start(&job, &dir, u32::try_from(k).unwrap());
+        if k == kills / 2 {
+            // The broker dies and comes back while the job runs; the job
+            // rides it out (reconnects, or restarts from its checkpoint).
+            assert!(
+                run.wait_for("CHAOS commit paused", Duration::from_secs(60)),
+                "no commit before the broker restart"
+            );
+            broker.kill();
+            std::thread::sleep(Duration::from_secs(2));
+            broker.resume();
+            assert!(
+                run.wait_for("CHAOS commit paused after", Duration::from_secs(120)),
+                "no commit after the broker came back; log: {}",
+                std::fs::read_to_string(&run.log).unwrap_or_default()
+            );
+        }
+        match k % 3 {
+            // Inside a commit: files written, the catalog not updated yet.
+            1 => {
+                let hit = run.wait_for("CHAOS commit paused before", Duration::from_secs(60));
+                assert!(hit, "run {k}: no commit within 60 s");
+                in_commit += 1;
+            }
+            // Inside a commit: the catalog updated, the job not told yet.
+            2 => {
+                let hit = run.wait_for("CHAOS commit paused after", Duration::from_secs(60));
+                assert!(hit, "run {k}: no commit within 60 s");
+                in_commit += 1;
+            }
+            // Anywhere: start-up, reading, writing, checkpointing.
+            _ => std::thread::sleep(Duration::from_millis(200 + rng.below(1_800))),
+        }
+        run.assert_alive();
+        run.kill();
+    }
+    assert!(
+        in_commit >= kills / 2,
+        "{in_commit} of {kills} kills inside commits"
+    );
+
+    let produced = producer.join().unwrap().unwrap();
+    assert_eq!(produced, n);
+    // The last run goes on until the table holds everything.
+    let mut last = Run::start(&job, &dir, u32::try_from(kills).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let rows = committed_rows(&dir).await;
+        if rows >= n {
+            break;
+        }
+        last.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "after 180 s the table holds {rows} of {n} rows; log: {}",
+            std::fs::read_to_string(&last.log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // A little longer: a duplicate commit, if there were one, would show.
+    std::thread::sleep(Duration::from_secs(2));
+    last.kill();
+
+    let table = pyiceberg(&dir);
+    let id_sum: u64 = (0..n).sum();
+    let price_sum: u64 = (0..n).map(price_of).sum();
+    assert_eq!(table["rows"], n, "{table}");
+    assert_eq!(table["distinct_ids"], n, "{table}");
+    assert_eq!(table["id_sum"], id_sum, "{table}");
+    assert_eq!(table["value_sum"], price_sum, "{table}");
+}
