@@ -8,56 +8,12 @@
 
 use std::time::{Duration, Instant};
 
-use nexmark::EventGenerator;
-use nexmark::config::NexmarkConfig;
-use nexmark::event::{Event, EventType};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use serde::{Deserialize, Serialize};
+use rdkafka::message::Message;
+use rdkafka::{Offset, TopicPartitionList};
 
-/// A Nexmark bid as the JSON value of a Kafka record (~250 bytes).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BidJson {
-    /// Auction id.
-    pub auction: u64,
-    /// Bidder id.
-    pub bidder: u64,
-    /// Price in cents.
-    pub price: u64,
-    /// Channel.
-    pub channel: String,
-    /// URL.
-    pub url: String,
-    /// Event time, ms since the epoch.
-    pub date_time: i64,
-    /// Padding, as Nexmark generates it.
-    pub extra: String,
-}
-
-/// The first `n` Nexmark bids (fixed seed and start time).
-pub fn bids(n: usize) -> impl Iterator<Item = BidJson> {
-    let config = NexmarkConfig {
-        base_time: 1_767_225_600_000,
-        first_event_id: 0,
-        first_event_number: 0,
-        ..NexmarkConfig::default()
-    };
-    EventGenerator::new(config)
-        .with_type_filter(EventType::Bid)
-        .take(n)
-        .map(|e| match e {
-            Event::Bid(b) => BidJson {
-                auction: b.auction as u64,
-                bidder: b.bidder as u64,
-                price: b.price as u64,
-                channel: b.channel,
-                url: b.url,
-                date_time: b.date_time as i64,
-                extra: b.extra,
-            },
-            other => panic!("the bid filter let through {:?}", other.event_type()),
-        })
-}
+pub use tinyflow_cli::nexmark::BidJson;
 
 /// What [`ensure_bids_topic`] found or wrote.
 #[derive(Debug, Clone)]
@@ -97,7 +53,8 @@ fn records_in(consumer: &BaseConsumer, topic: &str, partitions: i32) -> Result<u
 /// (round-robin), reused when a previous run left it complete; progress is
 /// printed while producing.
 pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<BidsTopic, String> {
-    let name = format!("tinyflow-bench-bids-{n}-p{partitions}");
+    // `v2`: bids carry a sequence number `id` (topics of earlier versions did not).
+    let name = format!("tinyflow-bench-bids-v2-{n}-p{partitions}");
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
@@ -130,17 +87,20 @@ pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<Bid
     ))?;
     let started = Instant::now();
     let step = (n / 10).max(1);
-    let values = bids(n as usize).enumerate().map(|(i, bid)| {
-        if (i as u64 + 1).is_multiple_of(step) {
-            eprintln!(
-                "topic {name}: {} of {n} bids produced ({:.0} s)",
-                i + 1,
-                started.elapsed().as_secs_f64()
-            );
-        }
-        let value = serde_json::to_vec(&bid).expect("a bid serialises");
-        ((i as u64 % partitions as u64) as i32, value)
-    });
+    let values = tinyflow_cli::nexmark::bids()
+        .take(n as usize)
+        .enumerate()
+        .map(|(i, bid)| {
+            if (i as u64 + 1).is_multiple_of(step) {
+                eprintln!(
+                    "topic {name}: {} of {n} bids produced ({:.0} s)",
+                    i + 1,
+                    started.elapsed().as_secs_f64()
+                );
+            }
+            let value = serde_json::to_vec(&bid).expect("a bid serialises");
+            ((i as u64 % partitions as u64) as i32, value)
+        });
     let settings = [("linger.ms", "20"), ("batch.size", "1000000")];
     tinyflow_connectors_kafka::testing::produce_stream(bootstrap, &name, &settings, values)?;
     let found = records_in(&consumer, &name, partitions)?;
@@ -154,4 +114,77 @@ pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<Bid
         records: n,
         partitions,
     })
+}
+
+/// Resets the peak RSS of this process (Linux: `clear_refs` 5).
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak RSS in MB since the last reset.
+pub fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// What a bare consume loop did.
+#[derive(Debug, Clone, Copy)]
+pub struct BareRun {
+    /// Records read.
+    pub records: u64,
+    /// Value bytes read.
+    pub value_bytes: u64,
+    /// From the first record to the last.
+    pub secs: f64,
+    /// Peak RSS during the run.
+    pub rss_mb: f64,
+}
+
+/// The raw limit: a bare `BaseConsumer` poll loop over every partition of
+/// `topic` from the beginning, touching each payload, with `settings`.
+///
+/// # Panics
+/// On a consumer error: a benchmark has no use for a partial figure.
+pub fn bare_consume(topic: &BidsTopic, settings: &[(&str, &str)]) -> BareRun {
+    reset_peak_rss();
+    let mut cc = ClientConfig::new();
+    cc.set("bootstrap.servers", bootstrap())
+        .set("group.id", "bench-bare")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false");
+    for (k, v) in settings {
+        cc.set(*k, *v);
+    }
+    let consumer: BaseConsumer = cc.create().expect("a bare consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..topic.partitions {
+        tpl.add_partition_offset(&topic.name, p, Offset::Beginning)
+            .expect("a partition to assign");
+    }
+    consumer.assign(&tpl).expect("assigning the partitions");
+    let mut n = 0u64;
+    let mut bytes = 0u64;
+    let mut first = None;
+    while n < topic.records {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                first.get_or_insert_with(Instant::now);
+                bytes += m.payload().map_or(0, <[u8]>::len) as u64;
+                n += 1;
+            }
+            Some(Err(e)) => panic!("bare consumer: {e}"),
+            None => {}
+        }
+    }
+    assert!(bytes > 0, "the bare consumer read empty values");
+    BareRun {
+        records: n,
+        value_bytes: bytes,
+        secs: first.map_or(0.0, |f| f.elapsed().as_secs_f64()),
+        rss_mb: peak_rss_mb(),
+    }
 }

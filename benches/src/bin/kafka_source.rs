@@ -28,14 +28,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use arrow_schema::{DataType, Field, Schema};
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::Message;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tinyflow_api::{OperatorContext, SourceFactory};
-use tinyflow_benches::kafka::{BidJson, BidsTopic, bootstrap, ensure_bids_topic};
+use tinyflow_benches::kafka::{
+    BidJson, BidsTopic, bare_consume, bootstrap, ensure_bids_topic, peak_rss_mb, reset_peak_rss,
+};
 use tinyflow_connectors_kafka::{
     DEFAULT_CLIENT_SETTINGS, Format, JsonArrow, KafkaArrowSource, KafkaSource, KafkaSourceConfig,
 };
@@ -89,21 +88,6 @@ fn parse_args() -> Args {
     args
 }
 
-/// Resets the peak RSS of this process (Linux: `clear_refs` 5).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// Peak RSS in MB since the last reset.
-fn peak_rss_mb() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
-
 struct Run {
     records: u64,
     /// Value bytes read (counted by the bare loop only).
@@ -119,46 +103,15 @@ impl Run {
 }
 
 fn bare(topic: &BidsTopic, props: &BTreeMap<String, String>) -> Run {
-    reset_peak_rss();
-    let mut cc = ClientConfig::new();
-    cc.set("bootstrap.servers", bootstrap())
-        .set("group.id", "bench-bare")
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false");
     // The same client settings as the source's consumer.
-    for (k, v) in DEFAULT_CLIENT_SETTINGS {
-        cc.set(*k, *v);
-    }
-    for (k, v) in props {
-        cc.set(k, v);
-    }
-    let consumer: BaseConsumer = cc.create().unwrap();
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..topic.partitions {
-        tpl.add_partition_offset(&topic.name, p, Offset::Beginning)
-            .unwrap();
-    }
-    consumer.assign(&tpl).unwrap();
-    let mut n = 0u64;
-    let mut bytes = 0u64;
-    let mut first = None;
-    while n < topic.records {
-        match consumer.poll(Duration::from_millis(100)) {
-            Some(Ok(m)) => {
-                first.get_or_insert_with(Instant::now);
-                bytes += m.payload().map_or(0, <[u8]>::len) as u64;
-                n += 1;
-            }
-            Some(Err(e)) => panic!("bare consumer: {e}"),
-            None => {}
-        }
-    }
-    assert!(bytes > 0);
+    let mut settings: Vec<(&str, &str)> = DEFAULT_CLIENT_SETTINGS.to_vec();
+    settings.extend(props.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let r = bare_consume(topic, &settings);
     Run {
-        records: n,
-        value_bytes: bytes,
-        secs: first.unwrap().elapsed().as_secs_f64(),
-        rss_mb: peak_rss_mb(),
+        records: r.records,
+        value_bytes: r.value_bytes,
+        secs: r.secs,
+        rss_mb: r.rss_mb,
     }
 }
 
@@ -216,6 +169,7 @@ fn report_empty(batches: u64, empty: u64) {
 
 fn bid_schema() -> Arc<Schema> {
     Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
         Field::new("auction", DataType::Int64, false),
         Field::new("bidder", DataType::Int64, false),
         Field::new("price", DataType::Int64, false),

@@ -1,0 +1,581 @@
+//! The whole pipeline against its raw limits, on a real broker pre-loaded
+//! with Nexmark bids as JSON, all in one run:
+//!
+//! 1. a bare rdkafka consume loop (the raw read limit);
+//! 2. a bare JSON decode (arrow-json) + zstd Parquet write loop, from
+//!    memory (the raw processing limit);
+//! 3. the tinyflow job end to end (the same job `tinyflow run` runs from a
+//!    job file: Kafka -> compute price_eur -> Iceberg in a sqlite catalog),
+//!    checkpoints (and commits) every 1 s, timed from the first record read
+//!    to the moment the table's current snapshot holds every record;
+//! 4. the same with checkpoints off (interval 1 h: nothing is committed),
+//!    timed to the last row handed to the Parquet writers;
+//! 5. a Python loop with confluent-kafka and pyiceberg doing the same job
+//!    as a user might script it (`benches/python/bids_loop.py`);
+//!
+//! then the append-to-visible latency: bids produced at a steady rate while
+//! the job runs with 1 s checkpoints; each bid's latency is the commit time
+//! of the snapshot that first holds it minus the time it was produced
+//! (p50/p99/max). Peak RSS (VmHWM, reset before each variant) per variant.
+//!
+//! `cargo xtask kafka start`, export the line it prints, then
+//! `cargo run --release -p tinyflow-benches --bin pipeline -- [--records N]
+//! [--partitions N] [--latency-rate N] [--latency-secs N] [--skip-python] [--only N]...
+//! [--source-props k=v,...]`.
+
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a benchmark binary: prints its figures, and any failure ends it"
+)]
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use arrow_array::Int64Array;
+use arrow_json::ReaderBuilder;
+use arrow_schema::{DataType, Field, Schema};
+use futures_util::TryStreamExt;
+use metrics_exporter_prometheus::PrometheusHandle;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use tinyflow_benches::kafka::{
+    BidsTopic, bare_consume, bootstrap, ensure_bids_topic, peak_rss_mb, reset_peak_rss,
+};
+use tinyflow_cli::JobFile;
+use tinyflow_cli::nexmark::{BID_FIELDS, bids};
+use tinyflow_connectors_iceberg::{CatalogConfig, open_catalog};
+use tinyflow_connectors_kafka::DEFAULT_CLIENT_SETTINGS;
+
+struct Args {
+    records: u64,
+    partitions: i32,
+    latency_rate: u64,
+    latency_secs: u64,
+    python: bool,
+    /// Run only these variants (1-6; 6 is the latency run).
+    only: Vec<u64>,
+    /// librdkafka settings for the job's source, `k=v,k=v`.
+    source_props: String,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        records: 3_000_000,
+        partitions: 4,
+        latency_rate: 100_000,
+        latency_secs: 15,
+        python: true,
+        only: Vec::new(),
+        source_props: String::new(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--skip-python" {
+            a.python = false;
+            continue;
+        }
+        if flag == "--source-props" {
+            a.source_props = it.next().expect("--source-props needs k=v,k=v");
+            continue;
+        }
+        let v: u64 = it
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{flag} needs a number"));
+        match flag.as_str() {
+            "--records" => a.records = v,
+            "--partitions" => a.partitions = v as i32,
+            "--latency-rate" => a.latency_rate = v,
+            "--latency-secs" => a.latency_secs = v,
+            "--only" => a.only.push(v),
+            other => panic!("unknown option {other}; see the file's header"),
+        }
+    }
+    a
+}
+
+/// One variant's figures.
+#[derive(Debug, Clone, Copy)]
+struct Figure {
+    events: u64,
+    secs: f64,
+    rss_mb: f64,
+}
+
+impl Figure {
+    fn rate(&self) -> f64 {
+        self.events as f64 / self.secs
+    }
+}
+
+fn bid_schema() -> Arc<Schema> {
+    let fields = BID_FIELDS
+        .iter()
+        .map(|(name, ty)| {
+            let t = if *ty == "long" {
+                DataType::Int64
+            } else {
+                DataType::Utf8
+            };
+            Field::new(*name, t, false)
+        })
+        .collect::<Vec<_>>();
+    Arc::new(Schema::new(fields))
+}
+
+/// (2): decode JSON bids into record batches and write them to one zstd
+/// Parquet file, from values held in memory (a pool reused in a cycle).
+fn decode_and_write(n: u64, dir: &Path) -> Figure {
+    let pool: Vec<Vec<u8>> = bids()
+        .take(200_000)
+        .map(|b| serde_json::to_vec(&b).unwrap())
+        .collect();
+    reset_peak_rss();
+    let schema = bid_schema();
+    let file = std::fs::File::create(dir.join("bare.parquet")).unwrap();
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3).unwrap()))
+        .build();
+    let mut writer = ArrowWriter::try_new(file, Arc::clone(&schema), Some(props)).unwrap();
+    let mut decoder = ReaderBuilder::new(schema)
+        .with_batch_size(8192)
+        .build_decoder()
+        .unwrap();
+    let start = Instant::now();
+    let mut done = 0u64;
+    for value in pool.iter().cycle().take(n as usize) {
+        decoder.decode(value).unwrap();
+        done += 1;
+        if done.is_multiple_of(8192)
+            && let Some(batch) = decoder.flush().unwrap()
+        {
+            writer.write(&batch).unwrap();
+        }
+    }
+    if let Some(batch) = decoder.flush().unwrap() {
+        writer.write(&batch).unwrap();
+    }
+    writer.close().unwrap();
+    Figure {
+        events: n,
+        secs: start.elapsed().as_secs_f64(),
+        rss_mb: peak_rss_mb(),
+    }
+}
+
+fn job_text(topic: &str, partitions: i32, dir: &Path, interval: &str, props: &str) -> String {
+    let props: Vec<String> = props
+        .split(',')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("--source-props needs k=v,k=v");
+            format!("\"{k}\" = \"{v}\"")
+        })
+        .collect();
+    let fields: Vec<String> = BID_FIELDS
+        .iter()
+        .map(|(n, t)| format!("  {{ name = \"{n}\", type = \"{t}\", required = true }},"))
+        .collect();
+    format!(
+        r#"
+[job]
+name = "bench"
+parallelism = 2
+
+[source]
+bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+parallelism = {partitions}
+properties = {{ {props} }}
+fields = [
+{fields}
+]
+
+[[transforms]]
+compute = {{ column = "price_eur", expr = "price / 100" }}
+
+[sink]
+namespace = "bench"
+table = "bids"
+parallelism = 2
+catalog = {{ type = "sqlite", dir = "{dir}" }}
+
+[checkpoint]
+interval = "{interval}"
+dir = "{dir}/checkpoints"
+
+[restart]
+strategy = "none"
+"#,
+        bootstrap = bootstrap(),
+        fields = fields.join("\n"),
+        props = props.join(", "),
+        dir = dir.display(),
+    )
+}
+
+fn metric(handle: &PrometheusHandle, name: &str) -> f64 {
+    handle
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let n = series.split_once('{').map_or(series, |(n, _)| n);
+            (n == name).then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+async fn total_records(catalog: &CatalogConfig) -> u64 {
+    let Ok(c) = open_catalog(catalog, Duration::from_secs(10)).await else {
+        return 0;
+    };
+    let ident = iceberg::TableIdent::from_strs(["bench", "bids"]).unwrap();
+    let Ok(t) = c.load_table(&ident).await else {
+        return 0;
+    };
+    t.metadata()
+        .current_snapshot()
+        .and_then(|s| {
+            s.summary()
+                .additional_properties
+                .get("total-records")
+                .cloned()
+        })
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
+}
+
+/// (3) and (4): the job; with `commit`, until the table holds `n` rows,
+/// else until `n` rows reached the writers.
+async fn job(
+    props: &str,
+    topic: &BidsTopic,
+    n: u64,
+    dir: &Path,
+    interval: &str,
+    commit: bool,
+    handle: &PrometheusHandle,
+) -> Figure {
+    let plan = JobFile::parse(
+        &job_text(&topic.name, topic.partitions, dir, interval, props),
+        "bench",
+    )
+    .unwrap()
+    .plan()
+    .unwrap();
+    let catalog = plan.sink.catalog.clone();
+    let read0 = metric(handle, "tinyflow_kafka_records_read_total");
+    let written0 = metric(handle, "tinyflow_iceberg_rows_written_total");
+    reset_peak_rss();
+    let running = tokio::spawn(plan.run());
+    while metric(handle, "tinyflow_kafka_records_read_total") <= read0 {
+        assert!(!running.is_finished(), "the job ended before reading");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let start = Instant::now();
+    loop {
+        assert!(
+            !running.is_finished(),
+            "the job ended early: {:?}",
+            running.await
+        );
+        let done = if commit {
+            total_records(&catalog).await >= n
+        } else {
+            metric(handle, "tinyflow_iceberg_rows_written_total") - written0 >= n as f64
+        };
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(if commit { 50 } else { 5 })).await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let rss_mb = peak_rss_mb();
+    running.abort();
+    let _ = running.await;
+    Figure {
+        events: n,
+        secs,
+        rss_mb,
+    }
+}
+
+/// (5): the Python loop.
+fn python(topic: &BidsTopic, n: u64, dir: &Path) -> Option<Figure> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let py = std::env::var("TINYFLOW_PYTHON").map_or_else(
+        |_| root.join("target/pyiceberg-venv/bin/python"),
+        PathBuf::from,
+    );
+    let has = Command::new(&py)
+        .args(["-c", "import confluent_kafka, pyiceberg"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has {
+        eprintln!(
+            "installing benches/python/requirements.txt into {}",
+            py.display()
+        );
+        let ok = Command::new(&py)
+            .args(["-m", "pip", "install", "-q", "-r"])
+            .arg(root.join("benches/python/requirements.txt"))
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!(
+                "(5) skipped: could not install the Python loop's packages into {} (run `cargo xtask py-setup` first)",
+                py.display()
+            );
+            return None;
+        }
+    }
+    let out = Command::new(&py)
+        .arg(root.join("benches/python/bids_loop.py"))
+        .args(["--bootstrap", &bootstrap(), "--topic", &topic.name])
+        .args(["--expect", &n.to_string(), "--dir"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the Python loop failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
+    Some(Figure {
+        events: v["events"].as_u64().unwrap(),
+        secs: v["seconds"].as_f64().unwrap(),
+        rss_mb: v["peak_rss_mb"].as_f64().unwrap(),
+    })
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Append-to-visible latency in ms (sorted), from a fresh topic fed at
+/// `rate` bids/s for `secs` while the job commits every second.
+async fn latency(props: &str, partitions: i32, rate: u64, secs: u64, dir: &Path) -> Vec<i64> {
+    let topic = format!("tinyflow-bench-latency-{}", now_ms());
+    tinyflow_connectors_kafka::testing::create_topic(&bootstrap(), &topic, partitions)
+        .await
+        .unwrap();
+    let n = rate * secs;
+    let plan = JobFile::parse(&job_text(&topic, partitions, dir, "1s", props), "latency")
+        .unwrap()
+        .plan()
+        .unwrap();
+    let catalog = plan.sink.catalog.clone();
+    let running = tokio::spawn(plan.run());
+    // Let the job connect before producing.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let sent_at: Arc<std::sync::Mutex<Vec<i64>>> = Arc::default();
+    let producer = {
+        let (sent_at, topic) = (Arc::clone(&sent_at), topic.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let values = bids().take(n as usize).map(move |b| {
+                let due = Duration::from_secs_f64(b.id as f64 / rate as f64);
+                if let Some(wait) = due.checked_sub(start.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+                sent_at.lock().unwrap().push(now_ms());
+                (
+                    (b.id % partitions as u64) as i32,
+                    serde_json::to_vec(&b).unwrap(),
+                )
+            });
+            tinyflow_connectors_kafka::testing::produce_stream(
+                &bootstrap(),
+                &topic,
+                &[("linger.ms", "5")],
+                values,
+            )
+        })
+    };
+    while total_records(&catalog).await < n {
+        assert!(!running.is_finished(), "the latency job ended early");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    producer.join().unwrap().unwrap();
+    running.abort();
+    let _ = running.await;
+    // Which snapshot first holds each id: scan every snapshot, oldest first.
+    let c = open_catalog(&catalog, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let table = c
+        .load_table(&iceberg::TableIdent::from_strs(["bench", "bids"]).unwrap())
+        .await
+        .unwrap();
+    let mut snapshots: Vec<_> = table.metadata().snapshots().cloned().collect();
+    snapshots.sort_by_key(|s| s.sequence_number());
+    let sent = sent_at.lock().unwrap().clone();
+    let mut seen: HashSet<i64> = HashSet::with_capacity(n as usize);
+    let mut lat = Vec::with_capacity(n as usize);
+    for s in snapshots {
+        let batches: Vec<_> = table
+            .scan()
+            .snapshot_id(s.snapshot_id())
+            .select(["id"])
+            .build()
+            .unwrap()
+            .to_arrow()
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        for b in batches {
+            let ids = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+            for id in ids.values() {
+                if seen.insert(*id) {
+                    lat.push(s.timestamp_ms() - sent[*id as usize]);
+                }
+            }
+        }
+    }
+    assert_eq!(lat.len() as u64, n, "every bid is visible once");
+    lat.sort_unstable();
+    lat
+}
+
+fn pct(v: &[i64], p: f64) -> i64 {
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn main() {
+    let a = parse_args();
+    let handle = tinyflow_cli::install_metrics(None).unwrap();
+    let topic = ensure_bids_topic(&bootstrap(), a.records, a.partitions).unwrap();
+    let n = topic.records;
+    let tmp = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _guard = rt.enter();
+    println!(
+        "pipeline bench: {n} Nexmark bids as JSON in {} ({} partitions)",
+        topic.name, topic.partitions
+    );
+
+    let on = |v: u64| a.only.is_empty() || a.only.contains(&v);
+    let props = a.source_props.as_str();
+    let bare = on(1).then(|| {
+        eprintln!("(1) bare consume ...");
+        let b = bare_consume(&topic, DEFAULT_CLIENT_SETTINGS);
+        Figure {
+            events: b.records,
+            secs: b.secs,
+            rss_mb: b.rss_mb,
+        }
+    });
+    let decode = on(2).then(|| {
+        eprintln!("(2) bare decode + parquet ...");
+        decode_and_write(n, tmp.path())
+    });
+    let job1s = on(3).then(|| {
+        eprintln!("(3) tinyflow job, checkpoints every 1 s ...");
+        rt.block_on(job(
+            props,
+            &topic,
+            n,
+            &tmp.path().join("job"),
+            "1s",
+            true,
+            &handle,
+        ))
+    });
+    let off = on(4).then(|| {
+        eprintln!("(4) tinyflow job, checkpoints off ...");
+        rt.block_on(job(
+            props,
+            &topic,
+            n,
+            &tmp.path().join("job-off"),
+            "1h",
+            false,
+            &handle,
+        ))
+    });
+    let py = if a.python && on(5) {
+        eprintln!("(5) Python loop ...");
+        python(&topic, n, &tmp.path().join("python"))
+    } else {
+        None
+    };
+    let lat = on(6).then(|| {
+        eprintln!(
+            "latency: {} bids/s for {} s ...",
+            a.latency_rate, a.latency_secs
+        );
+        rt.block_on(latency(
+            props,
+            a.partitions,
+            a.latency_rate,
+            a.latency_secs,
+            &tmp.path().join("latency"),
+        ))
+    });
+
+    let show = |label: &str, f: &Figure| {
+        println!(
+            "{label:<44} {:>7.3} M events/s  ({:>6.2} s, peak RSS {:>5.0} MB)",
+            f.rate() / 1e6,
+            f.secs,
+            f.rss_mb
+        );
+    };
+    let rows = [
+        ("(1) bare rdkafka consume loop", &bare),
+        ("(2) bare JSON decode + zstd Parquet write", &decode),
+        ("(3) tinyflow job, checkpoints every 1 s", &job1s),
+        ("(4) tinyflow job, checkpoints off", &off),
+        ("(5) Python loop (confluent-kafka + pyiceberg)", &py),
+    ];
+    for (label, f) in rows {
+        if let Some(f) = f {
+            show(label, f);
+        }
+    }
+    println!("ratios:");
+    if let Some(j) = &job1s {
+        if let Some(b) = &bare {
+            println!("  (3)/(1) = {:.2}  (goal >= 0.9)", j.rate() / b.rate());
+        }
+        println!(
+            "  (3)     = {:.3} M events/s  (goal >= 0.5)",
+            j.rate() / 1e6
+        );
+        if let Some(o) = &off {
+            println!("  (3)/(4) = {:.2}  (goal >= 0.95)", j.rate() / o.rate());
+        }
+        if let Some(p) = &py {
+            println!("  (3)/(5) = {:.1}  (goal >= 6)", j.rate() / p.rate());
+        }
+        println!("  peak RSS of (3) = {:.0} MB  (goal <= 256)", j.rss_mb);
+    }
+    if let Some(lat) = lat {
+        println!(
+            "append-to-visible ({} bids/s, checkpoints every 1 s): p50 {} ms, p99 {} ms, max {} ms  (goal p99 <= 1300 ms)",
+            a.latency_rate,
+            pct(&lat, 0.5),
+            pct(&lat, 0.99),
+            lat[lat.len() - 1]
+        );
+    }
+}
