@@ -106,6 +106,12 @@ fn ci() -> Result<()> {
         &mut counts,
     )?;
     drop(broker);
+    // The README's demo command, shortened: it checks exactly-once itself
+    // and fails when the table does not hold every bid once.
+    run(
+        "demo",
+        Command::new(&tinyflow).args(["demo", "--duration", "5s", "--dir", "target/demo-ci"]),
+    )?;
     run_tests(
         "doc tests",
         &mut cargo(&["test", "--workspace", "--doc", "--all-features"]),
