@@ -16,7 +16,10 @@
 //! then the append-to-visible latency: bids produced at a steady rate while
 //! the job runs with 1 s checkpoints; each bid's latency is the commit time
 //! of the snapshot that first holds it minus the time it was produced
-//! (p50/p99/max). Peak RSS (VmHWM, reset before each variant) per variant.
+//! (p50/p99/max). Peak RSS (VmHWM, reset before each variant) per variant;
+//! the reset cannot take back memory an earlier variant left with the
+//! allocator, so the jobs run right after the light bare loop, and
+//! `--only 3` gives the job's RSS alone.
 //!
 //! `cargo xtask kafka start`, export the line it prints, then
 //! `cargo run --release -p tinyflow-benches --bin pipeline -- [--records N]
@@ -484,10 +487,6 @@ fn main() {
             rss_mb: b.rss_mb,
         }
     });
-    let decode = on(2).then(|| {
-        eprintln!("(2) bare decode + parquet ...");
-        decode_and_write(n, tmp.path())
-    });
     let job1s = on(3).then(|| {
         eprintln!("(3) tinyflow job, checkpoints every 1 s ...");
         rt.block_on(job(
@@ -511,6 +510,10 @@ fn main() {
             false,
             &handle,
         ))
+    });
+    let decode = on(2).then(|| {
+        eprintln!("(2) bare decode + parquet ...");
+        decode_and_write(n, tmp.path())
     });
     let py = if a.python && on(5) {
         eprintln!("(5) Python loop ...");
