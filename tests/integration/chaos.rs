@@ -159,57 +159,11 @@ impl Run {
 /// Rows in the table's current snapshot, by iceberg-rust (for polling;
 /// the verdict is pyiceberg's).
 async fn committed_rows(dir: &Path) -> u64 {
-    let catalog = tinyflow_connectors_iceberg::open_catalog(
-        &tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir),
-        Duration::from_secs(10),
-    )
-    .await
-    .unwrap();
-    let ident = iceberg::TableIdent::from_strs(["chaos", "bids"]).unwrap();
-    let Ok(table) = catalog.load_table(&ident).await else {
-        return 0;
-    };
-    table
-        .metadata()
-        .current_snapshot()
-        .and_then(|s| {
-            s.summary()
-                .additional_properties
-                .get("total-records")
-                .cloned()
-        })
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0)
-}
-
-fn pyiceberg(dir: &Path) -> serde_json::Value {
-    let py = std::env::var("TINYFLOW_PYTHON").map_or_else(
-        |_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/pyiceberg-venv/bin/python"),
-        PathBuf::from,
-    );
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/read_table.py");
-    let out = Command::new(&py)
-        .arg(&script)
-        .args([
-            "tinyflow",
-            dir.to_str().unwrap(),
-            "chaos.bids",
-            "id",
-            "price",
-        ])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "pyiceberg is needed: could not run {} ({e}); run `cargo xtask py-setup`",
-                py.display()
-            )
-        });
-    assert!(
-        out.status.success(),
-        "pyiceberg failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir);
+    // Before the first commit the table may not exist yet.
+    tinyflow_connectors_iceberg::load_table(&catalog, "chaos", "bids")
+        .await
+        .map_or(0, |t| tinyflow_connectors_iceberg::total_records(&t))
 }
 
 fn price_of(id: u64) -> u64 {
@@ -325,7 +279,7 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
     std::thread::sleep(Duration::from_secs(2));
     last.kill();
 
-    let table = pyiceberg(&dir);
+    let table = tinyflow_tests::pyiceberg_read(&dir, "chaos.bids", &["id", "price"]);
     let id_sum: u64 = (0..n).sum();
     let price_sum: u64 = (0..n).map(price_of).sum();
     assert_eq!(table["rows"], n, "{table}");

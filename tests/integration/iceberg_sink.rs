@@ -12,7 +12,7 @@
 //! Then whole jobs through the runtime, with panics at random moments.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -843,36 +843,6 @@ async fn orphans_of_checkpoints_that_never_completed_are_deleted_and_committed_f
 
 // ---- through the runtime, read back by pyiceberg ----
 
-fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("TINYFLOW_PYTHON") {
-        return PathBuf::from(p);
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/pyiceberg-venv/bin/python")
-}
-
-/// pyiceberg's view of the table (see `tests/python/read_table.py`).
-fn pyiceberg_read(dir: &Path) -> serde_json::Value {
-    let py = python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/read_table.py");
-    let out = std::process::Command::new(&py)
-        .arg(&script)
-        .args(["tinyflow", dir.to_str().unwrap(), &format!("{NS}.{TABLE}")])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "pyiceberg is needed: could not run {} ({e}); run `cargo xtask py-setup` \
-                 or set TINYFLOW_PYTHON to a python with pyiceberg[sql-sqlite,pyarrow]",
-                py.display()
-            )
-        });
-    assert!(
-        out.status.success(),
-        "pyiceberg failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 const INJECTED: &str = "injected iceberg job failure";
 
 fn quiet_injected_panics() {
@@ -1020,7 +990,7 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     .await;
     assert!(second.final_checkpoint.unwrap() > committed);
 
-    let py = pyiceberg_read(dir.path());
+    let py = tinyflow_tests::pyiceberg_read(dir.path(), &format!("{NS}.{TABLE}"), &[]);
     assert_eq!(py["rows"], 4_500, "{py}");
     assert_eq!(py["distinct_ids"], 4_500);
     assert_eq!(py["id_sum"], (0..4_500i64).sum::<i64>());

@@ -299,3 +299,39 @@ pub fn quiet_panics_containing(marker: &'static str) {
         }
     }));
 }
+
+/// pyiceberg's view of the table `table` (`namespace.name`) in the sqlite
+/// catalog under `dir`, as `tests/python/read_table.py` prints it; `args`
+/// are its optional id and sum columns. The Python is `TINYFLOW_PYTHON`, or
+/// the venv `cargo xtask py-setup` makes.
+///
+/// # Panics
+/// When pyiceberg cannot run or fails: the tests that read tables back
+/// need it.
+pub fn pyiceberg_read(dir: &std::path::Path, table: &str, args: &[&str]) -> serde_json::Value {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let py = std::env::var_os("TINYFLOW_PYTHON").map_or_else(
+        || root.join("../target/pyiceberg-venv/bin/python"),
+        std::path::PathBuf::from,
+    );
+    let out = std::process::Command::new(&py)
+        .arg(root.join("python/read_table.py"))
+        .arg("tinyflow")
+        .arg(dir)
+        .arg(table)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "pyiceberg is needed: could not run {} ({e}); run `cargo xtask py-setup` \
+                 or set TINYFLOW_PYTHON to a python with pyiceberg[sql-sqlite,pyarrow]",
+                py.display()
+            )
+        });
+    assert!(
+        out.status.success(),
+        "pyiceberg failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("read_table.py prints one JSON object")
+}

@@ -53,7 +53,7 @@ use tinyflow_benches::kafka::{
 };
 use tinyflow_cli::JobFile;
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
-use tinyflow_connectors_iceberg::{CatalogConfig, open_catalog};
+use tinyflow_connectors_iceberg::{CatalogConfig, load_table};
 use tinyflow_connectors_kafka::DEFAULT_CLIENT_SETTINGS;
 
 struct Args {
@@ -238,23 +238,10 @@ fn metric(handle: &PrometheusHandle, name: &str) -> f64 {
 }
 
 async fn total_records(catalog: &CatalogConfig) -> u64 {
-    let Ok(c) = open_catalog(catalog, Duration::from_secs(10)).await else {
-        return 0;
-    };
-    let ident = iceberg::TableIdent::from_strs(["bench", "bids"]).unwrap();
-    let Ok(t) = c.load_table(&ident).await else {
-        return 0;
-    };
-    t.metadata()
-        .current_snapshot()
-        .and_then(|s| {
-            s.summary()
-                .additional_properties
-                .get("total-records")
-                .cloned()
-        })
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0)
+    // Before the first commit the table may not exist yet.
+    load_table(catalog, "bench", "bids")
+        .await
+        .map_or(0, |t| tinyflow_connectors_iceberg::total_records(&t))
 }
 
 /// (3) and (4): the job; with `commit`, until the table holds `n` rows,
@@ -417,13 +404,7 @@ async fn latency(props: &str, partitions: i32, rate: u64, secs: u64, dir: &Path)
     running.abort();
     let _ = running.await;
     // Which snapshot first holds each id: scan every snapshot, oldest first.
-    let c = open_catalog(&catalog, Duration::from_secs(10))
-        .await
-        .unwrap();
-    let table = c
-        .load_table(&iceberg::TableIdent::from_strs(["bench", "bids"]).unwrap())
-        .await
-        .unwrap();
+    let table = load_table(&catalog, "bench", "bids").await.unwrap();
     let mut snapshots: Vec<_> = table.metadata().snapshots().cloned().collect();
     snapshots.sort_by_key(|s| s.sequence_number());
     let sent = sent_at.lock().unwrap().clone();

@@ -34,7 +34,7 @@ use tinyflow_cli::{
     JobSection, MetricsSection, PartitionSection, RestartSection, SinkSection, SourceSection,
     TransformSection, format_duration, install_metrics, parse_duration,
 };
-use tinyflow_connectors_iceberg::open_catalog;
+use tinyflow_connectors_iceberg::{IcebergSinkConfig, load_table, total_records};
 use tinyflow_connectors_kafka::EmbeddedKafka;
 
 /// `tinyflow demo` options.
@@ -282,36 +282,15 @@ impl Progress {
     }
 }
 
-/// Rows in the table's current snapshot (its summary's `total-records`),
-/// and how many snapshots it has.
-async fn table_rows(
-    plan_sink: &tinyflow_connectors_iceberg::IcebergSinkConfig,
-) -> anyhow::Result<(u64, usize)> {
-    let catalog = open_catalog(&plan_sink.catalog, Duration::from_secs(10)).await?;
-    let ident = iceberg::TableIdent::new(
-        iceberg::NamespaceIdent::from_vec(plan_sink.namespace.clone())?,
-        plan_sink.table.clone(),
-    );
-    let table = catalog.load_table(&ident).await?;
-    let meta = table.metadata();
-    let rows = meta
-        .current_snapshot()
-        .and_then(|s| s.summary().additional_properties.get("total-records"))
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
-    Ok((rows, meta.snapshots().count()))
+/// Rows in the table's current snapshot, and how many snapshots it has.
+async fn table_rows(sink: &IcebergSinkConfig) -> anyhow::Result<(u64, usize)> {
+    let table = load_table(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
+    Ok((total_records(&table), table.metadata().snapshots().count()))
 }
 
 /// Every `id` in the table (an independent read through iceberg's scan).
-async fn table_ids(
-    plan_sink: &tinyflow_connectors_iceberg::IcebergSinkConfig,
-) -> anyhow::Result<Vec<i64>> {
-    let catalog = open_catalog(&plan_sink.catalog, Duration::from_secs(10)).await?;
-    let ident = iceberg::TableIdent::new(
-        iceberg::NamespaceIdent::from_vec(plan_sink.namespace.clone())?,
-        plan_sink.table.clone(),
-    );
-    let table = catalog.load_table(&ident).await?;
+async fn table_ids(sink: &IcebergSinkConfig) -> anyhow::Result<Vec<i64>> {
+    let table = load_table(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
     let batches: Vec<_> = table
         .scan()
         .select(["id"])

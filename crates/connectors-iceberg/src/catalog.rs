@@ -202,6 +202,41 @@ impl SinkTable {
     }
 }
 
+/// Opens `catalog` and loads the table `namespace.table` (namespace levels
+/// separated by dots), for tools and tests that read a table tinyflow
+/// writes.
+pub async fn load_table(
+    catalog: &CatalogConfig,
+    namespace: &str,
+    table: &str,
+) -> StreamResult<Table> {
+    let c = open_catalog(catalog, std::time::Duration::from_secs(10)).await?;
+    let ident = NamespaceIdent::from_strs(namespace.split('.'))
+        .map(|ns| TableIdent::new(ns, table.to_owned()))
+        .map_err(|e| external("iceberg", format!("naming {namespace}.{table}"), &e))?;
+    c.load_table(&ident).await.map_err(|e| {
+        external(
+            "iceberg",
+            format!(
+                "loading {namespace}.{table} from the {}",
+                catalog.describe()
+            ),
+            &e,
+        )
+    })
+}
+
+/// Rows in the table's current snapshot: its summary's `total-records`
+/// (0 before the first snapshot).
+pub fn total_records(table: &Table) -> u64 {
+    table
+        .metadata()
+        .current_snapshot()
+        .and_then(|s| s.summary().additional_properties.get("total-records"))
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
+}
+
 /// The table property holding `sink_id`'s last committed checkpoint id.
 pub fn committed_property(sink_id: &str) -> String {
     format!("tinyflow.sink.{sink_id}.checkpoint-id")

@@ -59,7 +59,7 @@ use tinyflow_api::{CheckpointId, SinkFactory, Stream, StreamResult, WriterFactor
 
 pub use catalog::{
     SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, committed_id, iceberg_schema,
-    open_catalog,
+    load_table, open_catalog, total_records,
 };
 pub use config::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
