@@ -24,7 +24,7 @@
 //! `cargo xtask kafka start`, export the line it prints, then
 //! `cargo run --release -p tinyflow-benches --bin pipeline -- [--records N]
 //! [--partitions N] [--latency-rate N] [--latency-secs N] [--skip-python] [--only N]...
-//! [--source-props k=v,...]`.
+//! [--source-props k=v,...] [--batch-size N]`.
 
 #![allow(
     clippy::print_stdout,
@@ -66,6 +66,8 @@ struct Args {
     only: Vec<u64>,
     /// librdkafka settings for the job's source, `k=v,k=v`.
     source_props: String,
+    /// `source.batch_size` of the job (default: the source's).
+    batch_size: Option<u64>,
 }
 
 fn parse_args() -> Args {
@@ -77,6 +79,7 @@ fn parse_args() -> Args {
         python: true,
         only: Vec::new(),
         source_props: String::new(),
+        batch_size: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -98,10 +101,19 @@ fn parse_args() -> Args {
             "--latency-rate" => a.latency_rate = v,
             "--latency-secs" => a.latency_secs = v,
             "--only" => a.only.push(v),
+            "--batch-size" => a.batch_size = Some(v),
             other => panic!("unknown option {other}; see the file's header"),
         }
     }
     a
+}
+
+/// Settings of the job variants beyond the defaults.
+struct Knobs {
+    /// librdkafka settings, `k=v,k=v`.
+    props: String,
+    /// `source.batch_size`.
+    batch_size: Option<u64>,
 }
 
 /// One variant's figures.
@@ -173,8 +185,9 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
     }
 }
 
-fn job_text(topic: &str, partitions: i32, dir: &Path, interval: &str, props: &str) -> String {
-    let props: Vec<String> = props
+fn job_text(topic: &str, partitions: i32, dir: &Path, interval: &str, knobs: &Knobs) -> String {
+    let props: Vec<String> = knobs
+        .props
         .split(',')
         .filter(|kv| !kv.is_empty())
         .map(|kv| {
@@ -196,6 +209,7 @@ parallelism = 2
 bootstrap_servers = "{bootstrap}"
 topics = ["{topic}"]
 parallelism = {partitions}
+{batch}
 properties = {{ {props} }}
 fields = [
 {fields}
@@ -220,6 +234,9 @@ strategy = "none"
         bootstrap = bootstrap(),
         fields = fields.join("\n"),
         props = props.join(", "),
+        batch = knobs
+            .batch_size
+            .map_or(String::new(), |b| format!("batch_size = {b}")),
         dir = dir.display(),
     )
 }
@@ -247,7 +264,7 @@ async fn total_records(catalog: &CatalogConfig) -> u64 {
 /// (3) and (4): the job; with `commit`, until the table holds `n` rows,
 /// else until `n` rows reached the writers.
 async fn job(
-    props: &str,
+    knobs: &Knobs,
     topic: &BidsTopic,
     n: u64,
     dir: &Path,
@@ -256,7 +273,7 @@ async fn job(
     handle: &PrometheusHandle,
 ) -> Figure {
     let plan = JobFile::parse(
-        &job_text(&topic.name, topic.partitions, dir, interval, props),
+        &job_text(&topic.name, topic.partitions, dir, interval, knobs),
         "bench",
     )
     .unwrap()
@@ -358,13 +375,13 @@ fn now_ms() -> i64 {
 
 /// Append-to-visible latency in ms (sorted), from a fresh topic fed at
 /// `rate` bids/s for `secs` while the job commits every second.
-async fn latency(props: &str, partitions: i32, rate: u64, secs: u64, dir: &Path) -> Vec<i64> {
+async fn latency(knobs: &Knobs, partitions: i32, rate: u64, secs: u64, dir: &Path) -> Vec<i64> {
     let topic = format!("tinyflow-bench-latency-{}", now_ms());
     tinyflow_connectors_kafka::testing::create_topic(&bootstrap(), &topic, partitions)
         .await
         .unwrap();
     let n = rate * secs;
-    let plan = JobFile::parse(&job_text(&topic, partitions, dir, "1s", props), "latency")
+    let plan = JobFile::parse(&job_text(&topic, partitions, dir, "1s", knobs), "latency")
         .unwrap()
         .plan()
         .unwrap();
@@ -458,7 +475,11 @@ fn main() {
     );
 
     let on = |v: u64| a.only.is_empty() || a.only.contains(&v);
-    let props = a.source_props.as_str();
+    let knobs = Knobs {
+        props: a.source_props.clone(),
+        batch_size: a.batch_size,
+    };
+    let props = &knobs;
     let bare = on(1).then(|| {
         eprintln!("(1) bare consume ...");
         let b = bare_consume(&topic, DEFAULT_CLIENT_SETTINGS);
