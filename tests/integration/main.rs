@@ -1,9 +1,9 @@
 //! tinyflow's integration tests: one binary, one module per scenario
 //! (fewer link steps, one place to look).
 //!
-//! - `chaos`: `tinyflow run` as a child process, SIGKILLed again and again (also inside
-//!   commits) and restarted, with a broker restart mid-run; pyiceberg checks every record is
-//!   in the table once.
+//!
+//! The chaos test (`tinyflow run` as a child process, killed again and again) is
+//! `crates/cli/tests/chaos.rs`, where cargo builds the binary for it.
 //! - `checkpoint_flaws`: a regression test per flaw of the seed's checkpoint manager.
 //! - `checkpoint_driver`: the async driver under tokio's paused clock, exact durations,
 //!   backpressure bounds and a determinism check.
@@ -28,7 +28,6 @@
     reason = "test code: a panic is the failure report"
 )]
 
-mod chaos;
 mod checkpoint_driver;
 mod checkpoint_flaws;
 mod checkpoint_props;

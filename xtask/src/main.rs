@@ -87,13 +87,6 @@ fn ci() -> Result<()> {
     // Integration tests read and write a real Kafka broker; it stops when
     // `broker` is dropped, also when a step fails.
     let broker = kafka::CiBroker::start()?;
-    // The chaos test runs the `tinyflow` binary as a child process; it is
-    // built into the same target directory as this one.
-    run(
-        "tinyflow binary",
-        &mut cargo(&["build", "-p", "tinyflow-cli", "--bin", "tinyflow"]),
-    )?;
-    let tinyflow = std::env::current_exe()?.with_file_name("tinyflow");
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
@@ -101,13 +94,14 @@ fn ci() -> Result<()> {
             .env("TINYFLOW_PYTHON", &python)
             // Tests that stop and restart a broker of their own run this
             // binary's `kafka` command.
-            .env("TINYFLOW_XTASK", std::env::current_exe()?)
-            .env("TINYFLOW_BIN", &tinyflow),
+            .env("TINYFLOW_XTASK", std::env::current_exe()?),
         &mut counts,
     )?;
     drop(broker);
     // The README's demo command, shortened: it checks exactly-once itself
-    // and fails when the table does not hold every bid once.
+    // and fails when the table does not hold every bid once. The tests
+    // built the binary (the chaos test needs it) next to this one.
+    let tinyflow = std::env::current_exe()?.with_file_name("tinyflow");
     run(
         "demo",
         Command::new(&tinyflow).args(["demo", "--duration", "5s", "--dir", "target/demo-ci"]),

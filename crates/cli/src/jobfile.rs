@@ -76,7 +76,7 @@ pub struct SourceSection {
     pub metadata_columns: bool,
     /// Source subtasks (default `job.parallelism`).
     pub parallelism: Option<usize>,
-    /// Records per batch (default 1024... the source's default).
+    /// Records per batch (default 1024).
     pub batch_size: Option<usize>,
     /// librdkafka settings passed through (`security.protocol`, ...).
     #[serde(default)]

@@ -6,9 +6,17 @@
 //! mid-run. At the end pyiceberg reads the table: N rows, N distinct ids,
 //! and sums of ids and prices equal to what was produced.
 //!
+//! It lives in the CLI crate so that cargo builds the binary for it, in the
+//! same build as every other test.
+//!
 //! `TINYFLOW_CHAOS_KILLS` (default 10, at least 10) and
 //! `TINYFLOW_CHAOS_RECORDS` (default 60000: produced at least, and for as
 //! long as the kills go on) make it harder.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a panic is the failure report"
+)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -34,25 +42,9 @@ fn env_count(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// The `tinyflow` binary: `TINYFLOW_BIN` (set by `cargo xtask ci`), else
-/// next to this test binary's directory.
+/// The `tinyflow` binary, which cargo builds for this test.
 fn tinyflow_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("TINYFLOW_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let guess = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("tinyflow"))
-        .unwrap();
-    assert!(
-        guess.is_file(),
-        "the chaos test runs the tinyflow binary, and {} does not exist: \
-         `cargo build -p tinyflow-cli` first, or set TINYFLOW_BIN (cargo xtask ci does both)",
-        guess.display()
-    );
-    guess
+    PathBuf::from(env!("CARGO_BIN_EXE_tinyflow"))
 }
 
 fn job_file(dir: &Path, bootstrap: &str) -> PathBuf {
