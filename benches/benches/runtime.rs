@@ -145,9 +145,9 @@ impl Source<u64> for ProbedReader {
         self.inner.next_batch().await
     }
 
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
         self.probe.barrier_sent();
-        self.inner.snapshot()
+        self.inner.snapshot(id)
     }
 }
 

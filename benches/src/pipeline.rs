@@ -245,7 +245,7 @@ impl<T: Data> Source<T> for CyclicReader<T> {
         Ok(Some(batch))
     }
 
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+    fn snapshot(&mut self, _id: CheckpointId) -> StreamResult<Vec<u8>> {
         Ok(self.position.to_le_bytes().to_vec())
     }
 }

@@ -33,7 +33,7 @@ use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault,
     FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID,
-    SUMMARY_SINK_ID, TableSpec, committed_id,
+    SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id,
 };
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::ms;
@@ -1030,6 +1030,26 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
         );
         last = id;
     }
+    // Each snapshot names where the source stood: the first run's last one
+    // the end of its 4 partitions (40 batches each), the second run's last
+    // the end of its 2.
+    let positions: Vec<serde_json::Value> = snaps
+        .iter()
+        .map(|s| {
+            let json = s[SUMMARY_SOURCE_POSITIONS]
+                .as_str()
+                .unwrap_or_else(|| panic!("no source positions in {s}"));
+            serde_json::from_str(json).unwrap()
+        })
+        .collect();
+    let at = |n: usize, end: usize| {
+        let partitions: serde_json::Map<String, serde_json::Value> = (0..n)
+            .map(|p| (format!("partition-{p}"), end.to_string().into()))
+            .collect();
+        serde_json::json!({ "batches": partitions })
+    };
+    assert!(positions.contains(&at(4, 40)), "{positions:?}");
+    assert_eq!(positions.last().unwrap(), &at(2, 10));
     assert_eq!(
         py["properties"]["tinyflow.sink.e2e.checkpoint-id"]
             .as_str()

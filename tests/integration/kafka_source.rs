@@ -157,6 +157,118 @@ async fn replay_from_checkpoint_offsets_has_no_duplicate_and_no_gap() {
     assert_eq!(committed, vec![Some(750); 4]);
 }
 
+/// Consumer-group offsets are those of the completed checkpoint, never
+/// positions the source read past it: a new job started from `committed`
+/// would skip records otherwise. The source is driven by hand, as the
+/// runtime would: read, snapshot, read on, complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_offsets_are_those_of_the_completed_checkpoint() {
+    let topic = topic_with_ids("group-offsets", 1, 1_000).await;
+    let group = fresh_topic("group");
+    let mut config = source_config(&topic, &group);
+    config.bounded = false;
+    let ctx = OperatorContext {
+        name: "kafka".into(),
+        subtask: 0,
+        parallelism: 1,
+        max_parallelism: 128,
+    };
+    let mut reader = KafkaSource::new(config, Format::<Rec>::json())
+        .create(&ctx, &[])
+        .unwrap();
+    let offset = |reader: &dyn Source<KafkaRecord<Rec>>| -> i64 {
+        reader.positions()[&format!("{topic}/0")].parse().unwrap()
+    };
+    // Reads at least `n` more records.
+    async fn read(reader: &mut Box<dyn Source<KafkaRecord<Rec>>>, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut got = 0;
+        while got < n {
+            assert!(Instant::now() < deadline, "{got} records after 20 s");
+            got += reader.next_batch().await.unwrap().unwrap().len();
+        }
+    }
+    // Waits until the group's offset is `expected` (commits are async).
+    let group_reaches = |expected: i64| {
+        let (topic, group) = (topic.clone(), group.clone());
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let now = committed_offsets(&bootstrap(), &group, &topic, 1).unwrap()[0];
+                if now == Some(expected) {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "group offset {now:?}, expected {expected}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let id = tinyflow_api::CheckpointId::new;
+
+    read(&mut reader, 100).await;
+    reader.snapshot(id(1)).unwrap();
+    let at_1 = offset(reader.as_ref());
+    read(&mut reader, 100).await;
+    assert!(offset(reader.as_ref()) > at_1);
+    reader.checkpoint_complete(id(1)).await.unwrap();
+    group_reaches(at_1).await;
+
+    // Checkpoint 2 aborts (never completes); completing 3 covers it.
+    reader.snapshot(id(2)).unwrap();
+    read(&mut reader, 100).await;
+    reader.snapshot(id(3)).unwrap();
+    let at_3 = offset(reader.as_ref());
+    read(&mut reader, 100).await;
+    reader.checkpoint_complete(id(3)).await.unwrap();
+    group_reaches(at_3).await;
+    assert!(offset(reader.as_ref()) > at_3);
+}
+
+/// Each barrier carries the positions of the sources to the sink, merged
+/// over the source subtasks; the last one holds the end of every partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barriers_carry_the_source_positions_to_the_sink() {
+    let topic = topic_with_ids("positions", 4, 2_000).await;
+    let group = fresh_topic("group");
+    let job = PacedJob::spawn(
+        "kafka-positions",
+        source_config(&topic, &group),
+        20,
+        Duration::from_millis(2),
+        Duration::from_millis(50),
+    );
+    let sink = job.sink.clone();
+    let (_, ids) = job.finish(Duration::from_secs(60)).await;
+    assert_eq!(ids, (0..2_000).collect::<Vec<_>>());
+    let last = sink.last_positioned(0).expect("the sink saw barriers");
+    let expected: std::collections::BTreeMap<String, String> = (0..4)
+        .map(|p| (format!("{topic}/{p}"), "500".to_owned()))
+        .collect();
+    assert_eq!(sink.positions(last, 0).unwrap()["kafka"], expected);
+    // Positions only grow from barrier to barrier.
+    let mut before: std::collections::BTreeMap<String, i64> = Default::default();
+    for c in 1..=last.get() {
+        let Some(at) = sink.positions(tinyflow_api::CheckpointId::new(c), 0) else {
+            continue;
+        };
+        for (name, offset) in &at["kafka"] {
+            let offset: i64 = offset.parse().unwrap();
+            let was = before.insert(name.clone(), offset).unwrap_or(0);
+            assert!(
+                offset >= was,
+                "{name}: {was} then {offset} at checkpoint {c}"
+            );
+        }
+    }
+    assert_eq!(
+        committed_offsets(&bootstrap(), &group, &topic, 4).unwrap(),
+        vec![Some(500); 4]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restore_with_another_parallelism_reads_every_partition_once() {
     let topic = topic_with_ids("rescale", 6, 2_400).await;

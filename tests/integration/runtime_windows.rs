@@ -267,7 +267,7 @@ impl Source<i64> for QuietReader {
         Ok(Some(Vec::new()))
     }
 
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+    fn snapshot(&mut self, _id: CheckpointId) -> StreamResult<Vec<u8>> {
         Ok(Vec::new())
     }
 

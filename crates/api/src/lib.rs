@@ -51,7 +51,8 @@ pub use job::{
 };
 pub use operator::{
     Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory,
-    ErasedWriter, ErasedWriterFactory, Operator, OperatorContext, OperatorFactory, OperatorState,
-    Sink, SinkFactory, SinkRestore, Source, SourceFactory, SourceWatermark, Writer, WriterFactory,
+    ErasedWriter, ErasedWriterFactory, JobPositions, Operator, OperatorContext, OperatorFactory,
+    OperatorState, Sink, SinkFactory, SinkRestore, Source, SourceFactory, SourcePositions,
+    SourceWatermark, Writer, WriterFactory,
 };
 pub use window::{TumblingWindows, Window, WindowOutput, WindowedStream};

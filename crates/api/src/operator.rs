@@ -118,10 +118,23 @@ pub trait Source<T: Data>: Send {
     /// trigger arrives first, and calls it again; nothing may be lost.
     async fn next_batch(&mut self) -> StreamResult<Option<Vec<T>>>;
 
-    /// The position after the last record returned.
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>>;
+    /// The position after the last record returned, as the state of
+    /// checkpoint `id`. Called once per checkpoint, in increasing id order.
+    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
+
+    /// The position of the last snapshot, for people and tools rather than
+    /// for restoring: source-defined names (Kafka: `topic/partition`) to
+    /// positions (Kafka: the next offset to read). The runtime carries them
+    /// with the barrier to the sinks, which may record them with the data
+    /// (the Iceberg sink puts them in the snapshot summary). The default
+    /// reports none.
+    fn positions(&self) -> SourcePositions {
+        SourcePositions::new()
+    }
 
     /// Checkpoint `id` is durable (e.g. commit offsets for lag monitoring).
+    /// Completion of `id` also covers every lower id whose notification was
+    /// coalesced or lost.
     async fn checkpoint_complete(&mut self, _id: CheckpointId) -> StreamResult<()> {
         Ok(())
     }
@@ -132,6 +145,13 @@ pub trait Source<T: Data>: Send {
         SourceWatermark::None
     }
 }
+
+/// One source subtask's positions at a checkpoint: see [`Source::positions`].
+pub type SourcePositions = BTreeMap<String, String>;
+
+/// The positions of every source of a job at a checkpoint barrier, by source
+/// node name: what the data before the barrier was read up to.
+pub type JobPositions = BTreeMap<String, SourcePositions>;
 
 /// Event-time progress of a source subtask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +196,11 @@ pub trait Sink<T: Data>: Send {
     /// The combined watermark of the inputs advanced: every record with an
     /// earlier event time has been written. The default ignores it.
     fn on_watermark(&mut self, _watermark: i64) {}
+
+    /// Called just before [`Sink::prepare_commit`] for barrier `id`: where
+    /// the sources stood at that barrier, merged over every input (see
+    /// [`Source::positions`]). The default ignores them.
+    fn on_positions(&mut self, _id: CheckpointId, _positions: &JobPositions) {}
 }
 
 /// What a restored sink gets: the checkpoint and every subtask's staged work.
@@ -296,7 +321,9 @@ pub trait ErasedSource: Send {
     /// See [`Source::next_batch`].
     async fn next_batch(&mut self) -> StreamResult<Option<AnyBatch>>;
     /// See [`Source::snapshot`].
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>>;
+    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
+    /// See [`Source::positions`].
+    fn positions(&self) -> SourcePositions;
     /// See [`Source::checkpoint_complete`].
     async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()>;
     /// See [`Source::watermark`].
@@ -324,6 +351,8 @@ pub trait ErasedSink: Send {
     async fn commit(&mut self, id: CheckpointId) -> StreamResult<()>;
     /// See [`Sink::on_watermark`].
     fn on_watermark(&mut self, watermark: i64);
+    /// See [`Sink::on_positions`].
+    fn on_positions(&mut self, id: CheckpointId, positions: &JobPositions);
 }
 
 /// [`SinkFactory`] with the record type erased.
@@ -351,8 +380,12 @@ impl<T: Data> ErasedSource for TypedSource<T> {
         Ok(self.0.next_batch().await?.map(AnyBatch::new))
     }
 
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
-        self.0.snapshot()
+    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
+        self.0.snapshot(id)
+    }
+
+    fn positions(&self) -> SourcePositions {
+        self.0.positions()
     }
 
     async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()> {
@@ -401,6 +434,10 @@ impl<T: Data> ErasedSink for TypedSink<T> {
 
     fn on_watermark(&mut self, watermark: i64) {
         self.inner.on_watermark(watermark);
+    }
+
+    fn on_positions(&mut self, id: CheckpointId, positions: &JobPositions) {
+        self.inner.on_positions(id, positions);
     }
 }
 

@@ -283,7 +283,7 @@ impl<T: crate::Data> crate::Source<T> for VecSourceReader<T> {
         Ok(None)
     }
 
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+    fn snapshot(&mut self, _id: CheckpointId) -> StreamResult<Vec<u8>> {
         let v: Vec<(u64, u64)> = self
             .positions
             .iter()
@@ -294,6 +294,13 @@ impl<T: crate::Data> crate::Source<T> for VecSourceReader<T> {
             action: "encoded",
             message: e.to_string(),
         })
+    }
+
+    fn positions(&self) -> crate::SourcePositions {
+        self.positions
+            .iter()
+            .map(|(p, i)| (format!("partition-{p}"), i.to_string()))
+            .collect()
     }
 }
 
@@ -306,6 +313,8 @@ pub struct CollectedTable<T> {
     committed: std::collections::BTreeSet<(u64, u32)>,
     commits: usize,
     fail_commits: u32,
+    /// The source positions each writer subtask got with each barrier.
+    positions: BTreeMap<(u64, u32), crate::JobPositions>,
 }
 
 /// A two-phase-commit sink into memory: records are staged per checkpoint
@@ -333,6 +342,7 @@ impl<T: crate::StateValue> CollectingSink<T> {
                 committed: Default::default(),
                 commits: 0,
                 fail_commits: 0,
+                positions: BTreeMap::new(),
             })),
         }
     }
@@ -354,6 +364,27 @@ impl<T: crate::StateValue> CollectingSink<T> {
     /// The next `n` commit calls fail before committing anything.
     pub fn fail_next_commits(&self, n: u32) {
         self.lock().fail_commits = n;
+    }
+
+    /// The source positions that came with barrier `checkpoint` to writer
+    /// subtask `subtask` ([`crate::Sink::on_positions`]), if it saw that
+    /// barrier.
+    pub fn positions(&self, checkpoint: CheckpointId, subtask: u32) -> Option<crate::JobPositions> {
+        self.lock()
+            .positions
+            .get(&(checkpoint.get(), subtask))
+            .cloned()
+    }
+
+    /// The highest checkpoint id whose barrier reached writer subtask
+    /// `subtask` with positions.
+    pub fn last_positioned(&self, subtask: u32) -> Option<CheckpointId> {
+        self.lock()
+            .positions
+            .keys()
+            .filter(|(_, s)| *s == subtask)
+            .map(|(c, _)| CheckpointId::new(*c))
+            .max()
     }
 }
 
@@ -453,6 +484,14 @@ impl<T: crate::StateValue> crate::Sink<T> for CollectingWriter<T> {
             self.staged.insert((id.get(), self.subtask), rows);
         }
         encode_staged(&self.staged)
+    }
+
+    fn on_positions(&mut self, id: CheckpointId, positions: &crate::JobPositions) {
+        self.table
+            .lock()
+            .expect("collected table lock poisoned")
+            .positions
+            .insert((id.get(), self.subtask), positions.clone());
     }
 
     async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {

@@ -426,11 +426,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
         println!(
             "exactly once: every produced bid id 0..{total} is in the table once (checked by scanning the table)"
         );
-        println!(
-            "look inside: tinyflow inspect {} demo.bids --checkpoints {}",
-            dir.display(),
-            dir.join("checkpoints").display()
-        );
+        println!("look inside: tinyflow inspect {} demo.bids", dir.display());
         // The process ends now: dropping the cluster first would only make
         // the job's closing clients log connection errors.
         std::mem::forget(kafka);

@@ -1,21 +1,18 @@
 //! `tinyflow inspect CATALOG TABLE`: a table's snapshots with the
-//! checkpoint ids and watermarks tinyflow wrote into their summaries, and,
-//! given the job's checkpoint directory, the Kafka positions each retained
-//! checkpoint holds.
+//! checkpoint ids, watermarks and source positions tinyflow wrote into their
+//! summaries.
 
 #![allow(clippy::print_stdout, reason = "the command's output")]
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use tinyflow_api::CompletedCheckpoint;
+use tinyflow_api::JobPositions;
 use tinyflow_connectors_iceberg::{
-    CatalogConfig, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, open_catalog,
+    CatalogConfig, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS,
+    SUMMARY_WATERMARK, open_catalog,
 };
-use tinyflow_connectors_kafka::decode_positions;
-use tinyflow_runtime::state::{NodeState, TaskSnapshot};
 
 /// `tinyflow inspect` options.
 #[derive(Debug, clap::Args)]
@@ -31,10 +28,6 @@ pub(crate) struct InspectArgs {
     /// The catalog's name (default tinyflow).
     #[arg(long, default_value = "tinyflow")]
     catalog_name: String,
-    /// The job's checkpoint directory: adds the Kafka positions of each
-    /// snapshot's checkpoint while it is retained.
-    #[arg(long)]
-    checkpoints: Option<PathBuf>,
 }
 
 fn catalog_config(args: &InspectArgs) -> anyhow::Result<CatalogConfig> {
@@ -68,39 +61,20 @@ fn catalog_config(args: &InspectArgs) -> anyhow::Result<CatalogConfig> {
     })
 }
 
-/// (topic, partition, next offset) of every Kafka partition.
-type Positions = Vec<(String, i32, i64)>;
-
-/// Kafka positions per checkpoint id, from the checkpoint files in `dir`
-/// (read only: files that do not decode, e.g. one being written, are
-/// skipped).
-fn positions(dir: &PathBuf) -> anyhow::Result<BTreeMap<u64, Positions>> {
-    let mut out = BTreeMap::new();
-    let entries = std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
-    for entry in entries {
-        let path = entry?.path();
-        let Ok(bytes) = std::fs::read(&path) else {
-            continue;
-        };
-        let Ok(cp): Result<CompletedCheckpoint, _> = tinyflow_checkpoint::store::decode(&bytes)
-        else {
-            continue;
-        };
-        let mut all = Vec::new();
-        for handle in cp.task_states.values() {
-            let snapshot = TaskSnapshot::decode(handle)?;
-            for (_, state) in &snapshot.nodes {
-                if let NodeState::Source(bytes) = state
-                    && let Ok(p) = decode_positions(bytes)
-                {
-                    all.extend(p);
-                }
-            }
-        }
-        all.sort();
-        out.insert(cp.id.get(), all);
+/// The source positions of a snapshot summary, one `source: name@position`
+/// per partition, or why there are none.
+fn positions_line(summary: &HashMap<String, String>) -> String {
+    let Some(json) = summary.get(SUMMARY_SOURCE_POSITIONS) else {
+        return "none recorded".to_owned();
+    };
+    match serde_json::from_str::<JobPositions>(json) {
+        Ok(all) => all
+            .iter()
+            .flat_map(|(source, at)| at.iter().map(move |(k, v)| format!("{source}: {k}@{v}")))
+            .collect::<Vec<_>>()
+            .join("  "),
+        Err(e) => format!("unreadable ({e}): {json}"),
     }
-    Ok(out)
 }
 
 fn millis_utc(ms: i64) -> String {
@@ -140,10 +114,6 @@ pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
         .load_table(&ident)
         .await
         .with_context(|| format!("loading {} from {}", args.table, config.describe()))?;
-    let positions = match &args.checkpoints {
-        Some(dir) => Some(positions(dir)?),
-        None => None,
-    };
     let meta = table.metadata();
     println!("table {} at {}", args.table, meta.location());
     let committed: Vec<_> = meta
@@ -186,28 +156,29 @@ pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
             checkpoint,
             watermark,
         );
-        if let Some(positions) = &positions
-            && let Ok(id) = checkpoint.parse::<u64>()
-        {
-            match positions.get(&id) {
-                Some(ps) if !ps.is_empty() => {
-                    let list: Vec<String> =
-                        ps.iter().map(|(t, p, o)| format!("{t}/{p}@{o}")).collect();
-                    println!("{:>20}  source positions: {}", "", list.join(" "));
-                }
-                Some(_) => println!("{:>20}  source positions: none recorded", ""),
-                None => println!(
-                    "{:>20}  source positions: checkpoint {id} no longer retained",
-                    ""
-                ),
-            }
-        }
+        println!("{:>20}  source positions: {}", "", positions_line(p));
     }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn positions_read_from_the_summary() {
+        let summary = |json: &str| {
+            std::collections::HashMap::from([(
+                super::SUMMARY_SOURCE_POSITIONS.to_owned(),
+                json.to_owned(),
+            )])
+        };
+        assert_eq!(
+            super::positions_line(&summary(r#"{"kafka":{"bids/0":"12","bids/1":"7"}}"#)),
+            "kafka: bids/0@12  kafka: bids/1@7"
+        );
+        assert_eq!(super::positions_line(&Default::default()), "none recorded");
+        assert!(super::positions_line(&summary("{")).starts_with("unreadable"));
+    }
+
     #[test]
     fn utc_times_format_as_iso_8601() {
         assert_eq!(super::millis_utc(0), "1970-01-01T00:00:00.000Z");

@@ -28,6 +28,11 @@ pub const SUMMARY_CHECKPOINT_ID: &str = "tinyflow.checkpoint-id";
 /// Snapshot summary key: the event-time watermark (ms since the epoch) the
 /// committed data is complete up to.
 pub const SUMMARY_WATERMARK: &str = "tinyflow.watermark";
+/// Snapshot summary key: where the job's sources stood at the committed
+/// checkpoint, as JSON: `{"<source>": {"<topic>/<partition>": "<next
+/// offset>", ...}, ...}` for Kafka sources. The committed data holds every
+/// record before these positions (and none after, for this sink).
+pub const SUMMARY_SOURCE_POSITIONS: &str = "tinyflow.source-positions";
 
 pub(crate) fn external(
     operator: &str,

@@ -8,12 +8,13 @@ use std::time::{Duration, Instant};
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use serde::{Deserialize, Serialize};
 use tinyflow_api::{
-    CheckpointId, OperatorContext, Sink, SinkFactory, SinkRestore, StreamError, StreamResult,
+    CheckpointId, JobPositions, OperatorContext, Sink, SinkFactory, SinkRestore, StreamError,
+    StreamResult,
 };
 
 use crate::catalog::{
-    GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, SinkTable,
-    external, observe,
+    GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS,
+    SUMMARY_WATERMARK, SinkTable, external, observe,
 };
 use crate::writer::DataFileMeta;
 
@@ -23,6 +24,8 @@ struct Staged {
     files: Vec<DataFileMeta>,
     /// The combined watermark of the inputs when the barrier arrived.
     watermark: Option<i64>,
+    /// Where the sources stood at the barrier.
+    positions: JobPositions,
 }
 
 /// The committer's checkpoint state.
@@ -64,6 +67,9 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
                     let entry = committer.pending.entry(id).or_default();
                     entry.files.extend(staged.files);
                     entry.watermark = entry.watermark.max(staged.watermark);
+                    for (source, at) in staged.positions {
+                        entry.positions.entry(source).or_default().extend(at);
+                    }
                 }
             }
             let files: usize = committer.pending.values().map(|s| s.files.len()).sum();
@@ -122,6 +128,8 @@ pub(crate) struct Committer {
     table: Arc<SinkTable>,
     /// Files received since the last barrier.
     current: Vec<DataFileMeta>,
+    /// The source positions that came with the barrier being handled.
+    positions: JobPositions,
     /// Files of checkpoints not committed yet, by checkpoint id.
     pending: BTreeMap<u64, Staged>,
     watermark: i64,
@@ -140,6 +148,7 @@ impl Committer {
         let sink = table.config.sink_id.clone();
         Committer {
             current: Vec::new(),
+            positions: JobPositions::new(),
             pending: BTreeMap::new(),
             watermark: i64::MIN,
             uncommitted: 0,
@@ -308,6 +317,15 @@ impl Committer {
         {
             summary.insert(SUMMARY_WATERMARK.to_owned(), w.to_string());
         }
+        let positions = &self.pending[&high].positions;
+        if !positions.is_empty() {
+            let json = serde_json::to_string(positions).map_err(|e| StreamError::State {
+                operator: label.clone(),
+                action: "encoded",
+                message: format!("source positions: {e}"),
+            })?;
+            summary.insert(SUMMARY_SOURCE_POSITIONS.to_owned(), json);
+        }
         let tx = Transaction::new(&table);
         // iceberg's own duplicate-file check reads every manifest of the
         // table on every attempt (cost grows with the table's history); the
@@ -376,12 +394,14 @@ impl Sink<DataFileMeta> for Committer {
     }
 
     async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
+        let positions = std::mem::take(&mut self.positions);
         if !self.current.is_empty() {
             self.pending.insert(
                 id.get(),
                 Staged {
                     files: std::mem::take(&mut self.current),
                     watermark: Some(self.watermark),
+                    positions,
                 },
             );
         }
@@ -414,5 +434,9 @@ impl Sink<DataFileMeta> for Committer {
 
     fn on_watermark(&mut self, watermark: i64) {
         self.watermark = self.watermark.max(watermark);
+    }
+
+    fn on_positions(&mut self, _id: CheckpointId, positions: &JobPositions) {
+        self.positions = positions.clone();
     }
 }

@@ -11,8 +11,8 @@
 //! - **Committer** (one subtask): keeps the files by checkpoint id as its
 //!   checkpoint state. When checkpoint N is durable it commits every pending
 //!   file of every checkpoint `<= N` in one transaction: a fast append whose
-//!   snapshot summary carries `tinyflow.sink-id`, `tinyflow.checkpoint-id`
-//!   and `tinyflow.watermark`, plus the table property
+//!   snapshot summary carries `tinyflow.sink-id`, `tinyflow.checkpoint-id`,
+//!   `tinyflow.watermark` and `tinyflow.source-positions`, plus the table property
 //!   `tinyflow.sink.<sink-id>.checkpoint-id`, which survives snapshot expiry.
 //!
 //! Dedupe is keyed on the configured sink id (stable across runs) and runs
@@ -58,8 +58,8 @@ use arrow_array::RecordBatch;
 use tinyflow_api::{CheckpointId, SinkFactory, Stream, StreamResult, WriterFactory};
 
 pub use catalog::{
-    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_WATERMARK, committed_id, iceberg_schema,
-    load_table, open_catalog, total_records,
+    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK,
+    committed_id, iceberg_schema, load_table, open_catalog, total_records,
 };
 pub use config::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,

@@ -1,6 +1,6 @@
 //! The source: partition assignment, positions, reading, decoding.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,8 +11,8 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tinyflow_api::{
-    CheckpointId, OperatorContext, Source, SourceFactory, SourceWatermark, StreamError,
-    StreamResult,
+    CheckpointId, OperatorContext, Source, SourceFactory, SourcePositions, SourceWatermark,
+    StreamError, StreamResult,
 };
 use tokio::time::Instant;
 
@@ -577,6 +577,7 @@ pub(crate) fn open<D: Decode, V>(
         arrived,
         decoder,
         positions,
+        taken: VecDeque::new(),
         stop,
         batch_size: config.batch_size.max(1),
         commit_offsets: config.commit_offsets,
@@ -603,6 +604,10 @@ pub(crate) struct Reader<D> {
     decoder: D,
     /// Next offset to read, per owned partition.
     positions: BTreeMap<Partition, i64>,
+    /// The positions of the checkpoints taken and not completed yet, oldest
+    /// first: the consumer-group commit on completion of checkpoint N uses
+    /// N's, never positions read past it.
+    taken: VecDeque<(CheckpointId, BTreeMap<Partition, i64>)>,
     /// End offsets of a bounded read.
     stop: Option<BTreeMap<Partition, i64>>,
     batch_size: usize,
@@ -635,6 +640,10 @@ impl<D> Reader<D> {
         self.positions.get(p).is_some_and(|o| *o >= end)
     }
 }
+
+/// Checkpoints taken and not completed that a source keeps positions of
+/// for its consumer-group commits.
+const MAX_TAKEN: usize = 64;
 
 /// How long an idle source waits for records at most before returning an
 /// empty batch (so the runtime can check idleness and event time).
@@ -721,9 +730,17 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
         Ok(Some(out))
     }
 
-    fn snapshot(&mut self) -> StreamResult<Vec<u8>> {
+    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
         // Dead letters first: the positions below cover them.
         self.bad.flush()?;
+        if self.commit_offsets {
+            // Aborted checkpoints never complete; a later completion drops
+            // them. Bounded in case completions stop coming.
+            if self.taken.len() >= MAX_TAKEN {
+                self.taken.pop_front();
+            }
+            self.taken.push_back((id, self.positions.clone()));
+        }
         let positions: Vec<(&str, i32, i64)> = self
             .positions
             .iter()
@@ -734,6 +751,13 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             action: "encoded",
             message: e.to_string(),
         })
+    }
+
+    fn positions(&self) -> SourcePositions {
+        self.positions
+            .iter()
+            .map(|((t, p), o)| (format!("{t}/{p}"), o.to_string()))
+            .collect()
     }
 
     fn watermark(&self) -> SourceWatermark {
@@ -759,11 +783,20 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
     }
 
     async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()> {
-        if !self.commit_offsets || self.positions.is_empty() {
+        // The newest checkpoint taken up to `id`: a completion covers every
+        // lower id whose notification was coalesced.
+        let mut completed = None;
+        while self.taken.front().is_some_and(|(taken, _)| *taken <= id) {
+            completed = self.taken.pop_front().map(|(_, at)| at);
+        }
+        let Some(completed) = completed else {
+            return Ok(());
+        };
+        if completed.is_empty() {
             return Ok(());
         }
         let mut tpl = TopicPartitionList::new();
-        for ((t, p), o) in &self.positions {
+        for ((t, p), o) in &completed {
             tpl.add_partition_offset(t, *p, Offset::Offset(*o))
                 .map_err(|e| external(&self.bad.name, "building the offset commit", e, false))?;
         }

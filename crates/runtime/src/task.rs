@@ -26,11 +26,12 @@
 //! or the attempt is being torn down).
 
 use std::future::poll_fn;
+use std::sync::Arc;
 use std::task::Poll;
 
 use tinyflow_api::{
     AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, ErasedWriter, FromTask,
-    Operator, Partitioning, SourceWatermark, TaskId, ToTask,
+    JobPositions, Operator, Partitioning, SourceWatermark, TaskId, ToTask,
 };
 use tinyflow_checkpoint::CoordinatorHandle;
 use tokio::sync::mpsc;
@@ -42,8 +43,9 @@ use crate::state::{NodeState, TaskSnapshot};
 pub enum Message {
     /// Records.
     Data(AnyBatch),
-    /// Checkpoint barrier.
-    Barrier(CheckpointId),
+    /// Checkpoint barrier, with the positions of the sources upstream at
+    /// that barrier (merged over the inputs at each alignment).
+    Barrier(CheckpointId, Arc<JobPositions>),
     /// Event time up to which the upstream subtask will send no more records.
     Watermark(i64),
     /// The upstream subtask went idle (`true`): combine watermarks without
@@ -315,6 +317,7 @@ impl Chain {
         &mut self,
         io: &mut TaskIo,
         id: CheckpointId,
+        positions: Arc<JobPositions>,
         mut states: Vec<(String, NodeState)>,
     ) -> Result<(), TaskError> {
         for op in &mut self.ops {
@@ -330,11 +333,17 @@ impl Chain {
             }
         }
         match &mut self.sink {
-            Some(s) => states.push((
-                s.name.clone(),
-                NodeState::Sink(s.sink.prepare_commit(id).await?),
-            )),
-            None => io.broadcast(|| Message::Barrier(id)).await?,
+            Some(s) => {
+                s.sink.on_positions(id, &positions);
+                states.push((
+                    s.name.clone(),
+                    NodeState::Sink(s.sink.prepare_commit(id).await?),
+                ));
+            }
+            None => {
+                io.broadcast(|| Message::Barrier(id, Arc::clone(&positions)))
+                    .await?
+            }
         }
         io.ack(id, states).await
     }
@@ -383,8 +392,14 @@ pub(crate) async fn run_source(
             biased;
             msg = io.control.recv() => match msg {
                 Some(ToTask::TriggerCheckpoint { id, .. }) => {
-                    let position = head.source.snapshot()?;
-                    chain.checkpoint(&mut io, id, vec![(head.name.clone(), NodeState::Source(position))]).await?;
+                    let position = head.source.snapshot(id)?;
+                    let mut positions = JobPositions::new();
+                    let shown = head.source.positions();
+                    if !shown.is_empty() {
+                        positions.insert(head.name.clone(), shown);
+                    }
+                    let states = vec![(head.name.clone(), NodeState::Source(position))];
+                    chain.checkpoint(&mut io, id, Arc::new(positions), states).await?;
                 }
                 Some(ToTask::NotifyComplete { id }) => {
                     head.source.checkpoint_complete(id).await?;
@@ -466,6 +481,8 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
     let mut closed = vec![false; n];
     let mut ended = vec![false; n];
     let mut aligning: Option<CheckpointId> = None;
+    // The positions that came with the barriers of the checkpoint aligning.
+    let mut positions = JobPositions::new();
     let mut align_started = tokio::time::Instant::now();
     let mut next = 0usize;
     let mut inputs_done = n == 0;
@@ -520,7 +537,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
                     next = i + 1;
                     time.idle(i, now, &mut io, &mut chain).await?;
                 }
-                Some((i, Message::Barrier(id))) => {
+                Some((i, Message::Barrier(id, upstream))) => {
                     if let Some(current) = aligning && current != id {
                         return Err(TaskError::Failed(tinyflow_api::StreamError::Graph {
                             message: format!("{} got barrier {id} while aligning {current}", io.label()),
@@ -531,8 +548,14 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
                     }
                     aligning = Some(id);
                     held[i] = true;
+                    // Subtasks of one source own disjoint partitions: their
+                    // positions add up.
+                    for (source, at) in upstream.iter() {
+                        positions.entry(source.clone()).or_default().extend(at.clone());
+                    }
                     if (0..n).all(|j| held[j] || closed[j]) {
-                        chain.checkpoint(&mut io, id, Vec::new()).await?;
+                        let merged = Arc::new(std::mem::take(&mut positions));
+                        chain.checkpoint(&mut io, id, merged, Vec::new()).await?;
                         held.fill(false);
                         aligning = None;
                         let took = align_started.elapsed();
