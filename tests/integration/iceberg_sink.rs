@@ -1050,6 +1050,14 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     };
     assert!(positions.contains(&at(4, 40)), "{positions:?}");
     assert_eq!(positions.last().unwrap(), &at(2, 10));
+    // The same positions in a table property, which snapshot expiry keeps.
+    let property: serde_json::Value = serde_json::from_str(
+        py["properties"]["tinyflow.sink.e2e.source-positions"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(property, at(2, 10));
     assert_eq!(
         py["properties"]["tinyflow.sink.e2e.checkpoint-id"]
             .as_str()

@@ -1,7 +1,7 @@
 //! From a parsed job file to a job graph, a runtime configuration and a
 //! checkpoint store: every check that needs more than TOML syntax.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -25,6 +25,9 @@ use crate::jobfile::{CatalogSection, JobFile, RestartSection, SourceSection};
 use crate::transform::{TransformFactory, Transforms};
 use crate::{JobFileError, parse_duration};
 
+/// The source's node name, which keys its positions.
+const SOURCE_NODE: &str = "kafka";
+
 /// A checked job file, ready to run.
 #[derive(Debug)]
 pub struct JobPlan {
@@ -45,6 +48,8 @@ pub struct JobPlan {
     /// The sink's configuration (catalog, table).
     pub sink: IcebergSinkConfig,
     graph: JobGraph,
+    /// What it was planned from, to plan it again with another start.
+    file: JobFile,
 }
 
 fn err(key: &str, message: impl Into<String>) -> JobFileError {
@@ -252,6 +257,12 @@ impl JobFile {
     /// graph: the schema, event time, transforms against the schema, the
     /// table spec, durations, the metrics address.
     pub fn plan(&self) -> Result<JobPlan, JobFileError> {
+        self.plan_starting(None)
+    }
+
+    /// [`JobFile::plan`], with the source starting at `start` instead of
+    /// `source.start` when it has no checkpoint to restore.
+    fn plan_starting(&self, start: Option<StartPosition>) -> Result<JobPlan, JobFileError> {
         let job_id =
             JobId::new(self.job.name.clone()).map_err(|e| err("job.name", e.to_string()))?;
         if self.job.parallelism == 0 {
@@ -285,7 +296,11 @@ impl JobFile {
         if s.metadata_columns {
             format = format.with_metadata_columns();
         }
-        let mut source = KafkaArrowSource::new(source_config(s, &self.job.name)?, format);
+        let mut kafka = source_config(s, &self.job.name)?;
+        if let Some(start) = start {
+            kafka.start = start;
+        }
+        let mut source = KafkaArrowSource::new(kafka, format);
         if let Some(et) = &s.event_time {
             let mut e = match (&et.column, et.record_timestamp) {
                 (Some(c), false) => EventTime::column(c.clone()),
@@ -425,7 +440,7 @@ impl JobFile {
         if sink_parallelism == 0 {
             return Err(err("sink.parallelism", "expected at least 1"));
         }
-        let stream = job.source("kafka", source_parallelism, source);
+        let stream = job.source(SOURCE_NODE, source_parallelism, source);
         let stream = if self.transforms.is_empty() {
             stream
         } else {
@@ -449,6 +464,7 @@ impl JobFile {
             metrics_address,
             sink: sc,
             graph,
+            file: self.clone(),
         })
     }
 }
@@ -514,6 +530,35 @@ pub fn install_metrics(address: Option<SocketAddr>) -> anyhow::Result<Prometheus
 }
 
 impl JobPlan {
+    /// The Kafka offsets the table's last commit of this sink holds the
+    /// data up to (from its `source-positions` property), if it has any.
+    async fn table_offsets(&self) -> anyhow::Result<Option<BTreeMap<(String, i32), i64>>> {
+        let sink = IcebergSink::new(self.sink.clone())?;
+        let Some(positions) = sink.committed_positions().await? else {
+            return Ok(None);
+        };
+        let Some(kafka) = positions.get(SOURCE_NODE) else {
+            return Ok(None);
+        };
+        let property = self.sink.positions_property();
+        let mut offsets = BTreeMap::new();
+        for (name, offset) in kafka {
+            let parsed = name.rsplit_once('/').and_then(|(topic, partition)| {
+                Some((
+                    (topic.to_owned(), partition.parse().ok()?),
+                    offset.parse().ok()?,
+                ))
+            });
+            let Some((at, offset)) = parsed else {
+                anyhow::bail!(
+                    "the table property {property} has `{name}: {offset}`, expected `topic/partition: offset`"
+                );
+            };
+            offsets.insert(at, offset);
+        }
+        Ok(Some(offsets))
+    }
+
     /// Runs the job until it ends or fails past its restart strategy.
     pub async fn run(self) -> anyhow::Result<JobReport> {
         let store = LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
@@ -521,14 +566,37 @@ impl JobPlan {
             .map_err(|e| {
                 anyhow::anyhow!("checkpoint.dir {}: {e}", self.checkpoint_dir.display())
             })?;
+        let table = format!("{}.{}", self.sink.namespace.join("."), self.sink.table);
         tracing::info!(
             job = %self.job_id,
             checkpoints = %self.checkpoint_dir.display(),
             catalog = %self.sink.catalog.describe(),
-            table = %format!("{}.{}", self.sink.namespace.join("."), self.sink.table),
+            table = %table,
             "running job"
         );
-        let report = JobRunner::new(self.graph, Arc::new(store), self.runtime)
+        let resume = if store.list().await?.is_empty() {
+            self.table_offsets().await?
+        } else {
+            None
+        };
+        let mut graph = self.graph;
+        if let Some(offsets) = resume {
+            // No checkpoint to restore, but the table says where its data
+            // ends: start there rather than at `source.start`, which would
+            // write again what the table holds.
+            tracing::warn!(
+                table = %table,
+                sink = %self.sink.sink_id,
+                partitions = offsets.len(),
+                offsets = ?offsets.iter().map(|((t, p), o)| format!("{t}/{p}@{o}")).collect::<Vec<_>>(),
+                "no checkpoint in the checkpoint directory: the source starts where the table's last commit of this sink ends"
+            );
+            graph = self
+                .file
+                .plan_starting(Some(StartPosition::Offsets(offsets)))?
+                .graph;
+        }
+        let report = JobRunner::new(graph, Arc::new(store), self.runtime)
             .run()
             .await?;
         Ok(report)

@@ -3,8 +3,10 @@
 //! table in a sqlite catalog, killed with SIGKILL again and again (at random
 //! moments, and inside commits: just before and just after the catalog
 //! update) and restarted; the broker itself is killed and restarted once
-//! mid-run. At the end pyiceberg reads the table: N rows, N distinct ids,
-//! and sums of ids and prices equal to what was produced.
+//! mid-run, and once the checkpoint directory is wiped between two runs (the
+//! next run starts where the table's data ends). At the end pyiceberg reads
+//! the table: N rows, N distinct ids, and sums of ids and prices equal to
+//! what was produced.
 //!
 //! It lives in the CLI crate so that cargo builds the binary for it, in the
 //! same build as every other test.
@@ -207,8 +209,19 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
 
     let mut rng = SplitMix64::new(0x00C0_FFEE ^ n);
     let mut in_commit = 0;
+    let wiped_after = kills / 3;
     for k in 0..kills {
         let mut run = Run::start(&job, &dir, u32::try_from(k).unwrap());
+        if k == wiped_after + 1 {
+            assert!(
+                run.wait_for(
+                    "the source starts where the table's last commit of this sink ends",
+                    Duration::from_secs(30)
+                ),
+                "run {k}: the checkpoints are gone, yet no start from the table; log: {}",
+                std::fs::read_to_string(&run.log).unwrap_or_default()
+            );
+        }
         if k == kills / 2 {
             // The broker dies and comes back while the job runs; the job
             // rides it out (reconnects, or restarts from its checkpoint).
@@ -243,6 +256,10 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
         }
         run.assert_alive();
         run.kill();
+        if k == wiped_after {
+            // Lost checkpoints: only the table knows where its data ends.
+            std::fs::remove_dir_all(dir.join("checkpoints")).unwrap();
+        }
     }
     assert!(
         in_commit >= kills / 2,

@@ -14,7 +14,7 @@ use iceberg::{
     TableIdent,
 };
 use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
-use tinyflow_api::{CheckpointId, StreamError, StreamResult};
+use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
 
 use crate::config::{
@@ -205,6 +205,12 @@ impl SinkTable {
         let table = self.load().await?;
         Ok(committed_id(&table, &self.config.sink_id).map(CheckpointId::new))
     }
+
+    /// The source positions of the last checkpoint this sink committed.
+    pub(crate) async fn committed_positions(&self) -> StreamResult<Option<JobPositions>> {
+        let table = self.load().await?;
+        committed_positions(&table, &self.config.sink_id)
+    }
 }
 
 /// Opens `catalog` and loads the table `namespace.table` (namespace levels
@@ -245,6 +251,33 @@ pub fn total_records(table: &Table) -> u64 {
 /// The table property holding `sink_id`'s last committed checkpoint id.
 pub fn committed_property(sink_id: &str) -> String {
     format!("tinyflow.sink.{sink_id}.checkpoint-id")
+}
+
+/// The table property holding the source positions (JSON, as in
+/// [`SUMMARY_SOURCE_POSITIONS`]) of the last checkpoint `sink_id`
+/// committed; set in the same transaction as [`committed_property`], so it
+/// survives snapshot expiry too.
+pub fn positions_property(sink_id: &str) -> String {
+    format!("tinyflow.sink.{sink_id}.source-positions")
+}
+
+/// The source positions of the last checkpoint `sink_id` committed to
+/// `table` (from [`positions_property`]); `None` when the sink committed
+/// none with positions.
+pub fn committed_positions(table: &Table, sink_id: &str) -> StreamResult<Option<JobPositions>> {
+    let key = positions_property(sink_id);
+    let Some(json) = table.metadata().properties().get(&key) else {
+        return Ok(None);
+    };
+    serde_json::from_str(json)
+        .map(Some)
+        .map_err(|e| StreamError::External {
+            operator: sink_id.to_owned(),
+            system: "iceberg",
+            action: format!("reading the table property {key}"),
+            message: format!("not the JSON of source positions ({e}): {json}"),
+            retryable: false,
+        })
 }
 
 /// What `table` holds of the checkpoints `low..=high` of `sink_id`: all

@@ -318,14 +318,17 @@ impl Committer {
             summary.insert(SUMMARY_WATERMARK.to_owned(), w.to_string());
         }
         let positions = &self.pending[&high].positions;
-        if !positions.is_empty() {
+        let positions = if positions.is_empty() {
+            None
+        } else {
             let json = serde_json::to_string(positions).map_err(|e| StreamError::State {
                 operator: label.clone(),
                 action: "encoded",
                 message: format!("source positions: {e}"),
             })?;
-            summary.insert(SUMMARY_SOURCE_POSITIONS.to_owned(), json);
-        }
+            summary.insert(SUMMARY_SOURCE_POSITIONS.to_owned(), json.clone());
+            Some(json)
+        };
         let tx = Transaction::new(&table);
         // iceberg's own duplicate-file check reads every manifest of the
         // table on every attempt (cost grows with the table's history); the
@@ -338,9 +341,12 @@ impl Committer {
         let tx = append
             .apply(tx)
             .map_err(|e| external(&label, "building the commit", &e))?;
-        let props = tx
+        let mut props = tx
             .update_table_properties()
             .set(config.committed_property(), high.to_string());
+        if let Some(json) = positions {
+            props = props.set(config.positions_property(), json);
+        }
         let tx = props
             .apply(tx)
             .map_err(|e| external(&label, "building the commit", &e))?;

@@ -511,6 +511,12 @@ impl IcebergSinkConfig {
         crate::catalog::committed_property(&self.sink_id)
     }
 
+    /// The table property with the source positions of the last checkpoint
+    /// this sink committed.
+    pub fn positions_property(&self) -> String {
+        crate::catalog::positions_property(&self.sink_id)
+    }
+
     /// Checks every setting; the error names the key.
     pub fn validate(&self) -> StreamResult<()> {
         let bad = |key: &'static str, message: String| Err(StreamError::Config { key, message });

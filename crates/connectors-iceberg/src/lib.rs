@@ -55,11 +55,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arrow_array::RecordBatch;
-use tinyflow_api::{CheckpointId, SinkFactory, Stream, StreamResult, WriterFactory};
+use tinyflow_api::{CheckpointId, JobPositions, SinkFactory, Stream, StreamResult, WriterFactory};
 
 pub use catalog::{
     SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK,
-    committed_id, iceberg_schema, load_table, open_catalog, total_records,
+    committed_id, committed_positions, iceberg_schema, load_table, open_catalog,
+    positions_property, total_records,
 };
 pub use config::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
@@ -126,6 +127,14 @@ impl IcebergSink {
     /// The highest checkpoint id this sink committed to the table.
     pub async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
         self.table.committed().await
+    }
+
+    /// Where the sources stood at the last checkpoint this sink committed
+    /// to the table: the table holds every record before these positions
+    /// and, from this sink, none after. A job that lost its checkpoints can
+    /// start its sources there and stay exactly once (`tinyflow run` does).
+    pub async fn committed_positions(&self) -> StreamResult<Option<JobPositions>> {
+        self.table.committed_positions().await
     }
 
     /// Deletes this sink's data files that no snapshot references and that
