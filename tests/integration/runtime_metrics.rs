@@ -1,5 +1,6 @@
-//! Observability: a job reports per-operator records in and out, alignment
-//! and checkpoint figures through the `metrics` facade.
+//! Observability: a job reports per-operator records in and out (rows, for
+//! Arrow record batches), alignment and checkpoint figures through the
+//! `metrics` facade.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -11,8 +12,12 @@ use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_runtime::{JobRunner, RuntimeConfig};
 use tinyflow_tests::ms;
 
-#[test]
-fn job_reports_records_checkpoints_and_alignment() {
+/// Counters by (name, operator) and histogram sample counts by name.
+type Observed = (HashMap<(String, String), u64>, HashMap<String, usize>);
+
+/// Runs the job `build` makes to its end (10 ms checkpoints, paused clock)
+/// under a recorder of its own; returns what was recorded.
+fn run_observed(build: impl FnOnce(&JobBuilder)) -> Observed {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -22,18 +27,8 @@ fn job_reports_records_checkpoints_and_alignment() {
         .unwrap();
     metrics::with_local_recorder(&recorder, || {
         rt.block_on(async {
-            let sink = CollectingSink::<u64>::new();
             let job = JobBuilder::new(JobId::new("observed").unwrap());
-            job.source(
-                "numbers",
-                2,
-                VecSource::new(vec![(0..500).collect(), (500..1_000).collect()])
-                    .batch_size(10)
-                    .pause(ms(1)),
-            )
-            .filter("even", |n: &u64| n.is_multiple_of(2))
-            .rebalance()
-            .sink("out", 1, sink.clone());
+            build(&job);
             let config = RuntimeConfig {
                 checkpoint: CheckpointConfig {
                     interval: Some(ms(10)),
@@ -49,7 +44,6 @@ fn job_reports_records_checkpoints_and_alignment() {
             .run()
             .await
             .unwrap();
-            assert_eq!(sink.committed().len(), 500);
         });
     });
     let mut counters: HashMap<(String, String), u64> = HashMap::new();
@@ -68,6 +62,25 @@ fn job_reports_records_checkpoints_and_alignment() {
             DebugValue::Gauge(_) => {}
         }
     }
+    (counters, histograms)
+}
+
+#[test]
+fn job_reports_records_checkpoints_and_alignment() {
+    let sink = CollectingSink::<u64>::new();
+    let (counters, histograms) = run_observed(|job| {
+        job.source(
+            "numbers",
+            2,
+            VecSource::new(vec![(0..500).collect(), (500..1_000).collect()])
+                .batch_size(10)
+                .pause(ms(1)),
+        )
+        .filter("even", |n: &u64| n.is_multiple_of(2))
+        .rebalance()
+        .sink("out", 1, sink.clone());
+    });
+    assert_eq!(sink.committed().len(), 500);
     let get = |name: &str, op: &str| {
         counters
             .get(&(name.to_owned(), op.to_owned()))
@@ -99,4 +112,31 @@ fn job_reports_records_checkpoints_and_alignment() {
             >= 3,
         "{histograms:?}"
     );
+}
+
+/// Arrow record batches count as their rows, not as one record each.
+#[test]
+fn arrow_batches_count_as_their_rows() {
+    let batch = |rows: i64| {
+        let ids = arrow_array::Int64Array::from_iter_values(0..rows);
+        arrow_array::RecordBatch::try_from_iter([("id", Arc::new(ids) as arrow_array::ArrayRef)])
+            .unwrap()
+    };
+    let sink = CollectingSink::<u64>::new();
+    let (counters, _) = run_observed(|job| {
+        job.source(
+            "batches",
+            1,
+            VecSource::new(vec![(0..40).map(|_| batch(25)).collect()]).batch_size(4),
+        )
+        .map("count", |b: arrow_array::RecordBatch| b.num_rows() as u64)
+        .sink("out", 1, sink.clone());
+    });
+    assert_eq!(sink.committed().iter().sum::<u64>(), 1_000);
+    let get = |name: &str, op: &str| counters.get(&(name.to_owned(), op.to_owned())).copied();
+    assert_eq!(get("tinyflow_records_out_total", "batches"), Some(1_000));
+    assert_eq!(get("tinyflow_records_in_total", "count"), Some(1_000));
+    // What leaves the map are plain numbers: one each.
+    assert_eq!(get("tinyflow_records_out_total", "count"), Some(40));
+    assert_eq!(get("tinyflow_records_in_total", "out"), Some(40));
 }

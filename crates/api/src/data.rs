@@ -99,6 +99,7 @@ impl Hasher for Fnv1a {
 
 trait ErasedVec: Send {
     fn len(&self) -> usize;
+    fn rows(&self) -> usize;
     fn clone_box(&self) -> Box<dyn ErasedVec>;
     fn into_any(self: Box<Self>) -> Box<dyn Any + Send>;
     fn type_name(&self) -> &'static str;
@@ -106,6 +107,14 @@ trait ErasedVec: Send {
 
 impl<T: Data> ErasedVec for Vec<T> {
     fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn rows(&self) -> usize {
+        #[cfg(feature = "arrow")]
+        if let Some(batches) = (self as &dyn Any).downcast_ref::<Vec<arrow_array::RecordBatch>>() {
+            return batches.iter().map(arrow_array::RecordBatch::num_rows).sum();
+        }
         Vec::len(self)
     }
 
@@ -142,6 +151,13 @@ impl AnyBatch {
     /// Number of records.
     pub fn len(&self) -> usize {
         self.0.len()
+    }
+
+    /// Number of rows: the records, except that Arrow record batches (with
+    /// feature `arrow`) count the rows in them. What the runtime's record
+    /// metrics count.
+    pub fn rows(&self) -> usize {
+        self.0.rows()
     }
 
     /// Whether the batch holds no record.

@@ -248,14 +248,14 @@ impl Chain {
             for item in items {
                 match item {
                     Emitted::Batch(b) => {
-                        op.records_in.increment(b.len() as u64);
+                        op.records_in.increment(b.rows() as u64);
                         op.op.process(b, &mut collector)?;
                     }
                     Emitted::Watermark(w) => op.op.on_watermark(w, &mut collector)?,
                 }
                 for e in collector.drain() {
                     if let Emitted::Batch(b) = &e {
-                        op.records_out.increment(b.len() as u64);
+                        op.records_out.increment(b.rows() as u64);
                     }
                     next.push(e);
                 }
@@ -270,12 +270,12 @@ impl Chain {
         for item in items {
             match (item, &mut self.sink, &mut self.writer) {
                 (Emitted::Batch(b), Some(s), _) => {
-                    s.records_in.increment(b.len() as u64);
+                    s.records_in.increment(b.rows() as u64);
                     s.sink.write(b).await?;
                 }
                 (Emitted::Watermark(w), Some(s), _) => s.sink.on_watermark(w),
                 (Emitted::Batch(b), None, Some(w)) => {
-                    w.records_in.increment(b.len() as u64);
+                    w.records_in.increment(b.rows() as u64);
                     w.writer.write(b).await?;
                 }
                 (Emitted::Batch(b), None, None) => io.emit(b).await?,
@@ -299,7 +299,7 @@ impl Chain {
             let items: Vec<Emitted> = collector.drain().collect();
             for e in &items {
                 if let Emitted::Batch(b) = e {
-                    self.ops[i].records_out.increment(b.len() as u64);
+                    self.ops[i].records_out.increment(b.rows() as u64);
                 }
             }
             let out = self.run_ops(i + 1, items)?;
@@ -327,7 +327,7 @@ impl Chain {
             // The committables go before the barrier: the committer stages
             // them under `id`.
             let committables = w.writer.flush(id).await?;
-            w.records_out.increment(committables.len() as u64);
+            w.records_out.increment(committables.rows() as u64);
             if !committables.is_empty() {
                 io.emit(committables).await?;
             }
@@ -410,8 +410,8 @@ pub(crate) async fn run_source(
             },
             batch = head.source.next_batch(), if !ended => match batch? {
                 Some(batch) => {
-                    records += batch.len() as u64;
-                    head.records_out.increment(batch.len() as u64);
+                    records += batch.rows() as u64;
+                    head.records_out.increment(batch.rows() as u64);
                     if !batch.is_empty() {
                         chain.push(&mut io, Emitted::Batch(batch)).await?;
                     }
@@ -526,7 +526,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
             got = input, if !inputs_done => match got {
                 Some((i, Message::Data(batch))) => {
                     next = i + 1;
-                    records_in += batch.len() as u64;
+                    records_in += batch.rows() as u64;
                     chain.push(&mut io, Emitted::Batch(batch)).await?;
                 }
                 Some((i, Message::Watermark(w))) => {
