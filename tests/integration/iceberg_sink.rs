@@ -22,7 +22,6 @@ use arrow_array::{
     ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array,
     PrimitiveArray, RecordBatch, StringArray, TimestampMicrosecondArray,
 };
-use futures_util::TryStreamExt;
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use tinyflow_api::testing::{MemoryCheckpointStore, VecSource};
 use tinyflow_api::{
@@ -33,7 +32,7 @@ use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault,
     FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID,
-    SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id,
+    SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id, scan_longs,
 };
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::ms;
@@ -259,31 +258,7 @@ impl Driver {
 
 /// Every id in the table, sorted, read with iceberg-rust's scan.
 async fn ids(table: &iceberg::table::Table) -> Vec<i64> {
-    if table.metadata().current_snapshot().is_none() {
-        return Vec::new();
-    }
-    let batches: Vec<RecordBatch> = table
-        .scan()
-        .select(["id"])
-        .build()
-        .unwrap()
-        .to_arrow()
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap();
-    let mut ids: Vec<i64> = batches
-        .iter()
-        .flat_map(|b| {
-            b.column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
-                .unwrap()
-                .values()
-                .to_vec()
-        })
-        .collect();
+    let mut ids = scan_longs(table, "id", None).await.unwrap();
     ids.sort_unstable();
     ids
 }

@@ -40,10 +40,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use arrow_array::Int64Array;
 use arrow_json::ReaderBuilder;
 use arrow_schema::{DataType, Field, Schema};
-use futures_util::TryStreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
@@ -53,7 +51,7 @@ use tinyflow_benches::kafka::{
 };
 use tinyflow_cli::JobFile;
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
-use tinyflow_connectors_iceberg::{CatalogConfig, load_table};
+use tinyflow_connectors_iceberg::{CatalogConfig, load_table, scan_longs};
 use tinyflow_connectors_kafka::DEFAULT_CLIENT_SETTINGS;
 
 struct Args {
@@ -242,16 +240,7 @@ strategy = "none"
 }
 
 fn metric(handle: &PrometheusHandle, name: &str) -> f64 {
-    handle
-        .render()
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let n = series.split_once('{').map_or(series, |(n, _)| n);
-            (n == name).then(|| value.parse::<f64>().ok()).flatten()
-        })
-        .sum()
+    tinyflow_cli::metric_sum(&handle.render(), name, None)
 }
 
 async fn total_records(catalog: &CatalogConfig) -> u64 {
@@ -428,24 +417,12 @@ async fn latency(knobs: &Knobs, partitions: i32, rate: u64, secs: u64, dir: &Pat
     let mut seen: HashSet<i64> = HashSet::with_capacity(n as usize);
     let mut lat = Vec::with_capacity(n as usize);
     for s in snapshots {
-        let batches: Vec<_> = table
-            .scan()
-            .snapshot_id(s.snapshot_id())
-            .select(["id"])
-            .build()
-            .unwrap()
-            .to_arrow()
-            .await
-            .unwrap()
-            .try_collect()
+        let ids = scan_longs(&table, "id", Some(s.snapshot_id()))
             .await
             .unwrap();
-        for b in batches {
-            let ids = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-            for id in ids.values() {
-                if seen.insert(*id) {
-                    lat.push(s.timestamp_ms() - sent[*id as usize]);
-                }
+        for id in ids {
+            if seen.insert(id) {
+                lat.push(s.timestamp_ms() - sent[id as usize]);
             }
         }
     }

@@ -20,8 +20,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use arrow_array::Int64Array;
-use futures_util::TryStreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
@@ -32,9 +30,9 @@ use tinyflow_cli::nexmark::{BID_FIELDS, bids};
 use tinyflow_cli::{
     CatalogSection, CheckpointSection, CommitSection, ComputeSection, FieldSection, JobFile,
     JobSection, MetricsSection, PartitionSection, RestartSection, SinkSection, SourceSection,
-    TransformSection, format_duration, install_metrics, parse_duration,
+    TransformSection, format_duration, install_metrics, metric_sum, parse_duration,
 };
-use tinyflow_connectors_iceberg::{IcebergSinkConfig, load_table, total_records};
+use tinyflow_connectors_iceberg::{IcebergSinkConfig, load_table, scan_longs, total_records};
 use tinyflow_connectors_kafka::EmbeddedKafka;
 
 /// `tinyflow demo` options.
@@ -235,21 +233,6 @@ fn produce(
     Ok(sent)
 }
 
-/// Sums a metric over the series whose labels contain `label` (all when
-/// `None`), from Prometheus text.
-fn metric(text: &str, name: &str, label: Option<&str>) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let (n, labels) = series.split_once('{').unwrap_or((series, ""));
-            (n == name && label.is_none_or(|want| labels.contains(want)))
-                .then(|| value.parse::<f64>().ok())
-                .flatten()
-        })
-        .sum()
-}
-
 struct Progress {
     handle: PrometheusHandle,
     start: Instant,
@@ -260,11 +243,11 @@ impl Progress {
     /// One progress line from what a metrics scrape would show.
     fn line(&mut self, produced: u64) -> String {
         let text = self.handle.render();
-        let read = metric(&text, "tinyflow_kafka_records_read_total", None);
-        let written = metric(&text, "tinyflow_iceberg_rows_written_total", None);
-        let checkpoints = metric(&text, "tinyflow_checkpoints_completed_total", None);
-        let commits = metric(&text, "tinyflow_iceberg_commits_total", None);
-        let files = metric(&text, "tinyflow_iceberg_files_written_total", None);
+        let read = metric_sum(&text, "tinyflow_kafka_records_read_total", None);
+        let written = metric_sum(&text, "tinyflow_iceberg_rows_written_total", None);
+        let checkpoints = metric_sum(&text, "tinyflow_checkpoints_completed_total", None);
+        let commits = metric_sum(&text, "tinyflow_iceberg_commits_total", None);
+        let files = metric_sum(&text, "tinyflow_iceberg_files_written_total", None);
         let now = Instant::now();
         let rate = (read - self.last.1) / now.duration_since(self.last.0).as_secs_f64().max(1e-3);
         self.last = (now, read);
@@ -291,24 +274,7 @@ async fn table_rows(sink: &IcebergSinkConfig) -> anyhow::Result<(u64, usize)> {
 /// Every `id` in the table (an independent read through iceberg's scan).
 async fn table_ids(sink: &IcebergSinkConfig) -> anyhow::Result<Vec<i64>> {
     let table = load_table(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
-    let batches: Vec<_> = table
-        .scan()
-        .select(["id"])
-        .build()?
-        .to_arrow()
-        .await?
-        .try_collect()
-        .await?;
-    let mut ids = Vec::new();
-    for b in &batches {
-        let col = b
-            .column(0)
-            .as_any()
-            .downcast_ref::<Int64Array>()
-            .context("column id is not a long")?;
-        ids.extend(col.iter().flatten());
-    }
-    Ok(ids)
+    Ok(scan_longs(&table, "id", None).await?)
 }
 
 fn fresh_dir(dir: &Path) -> anyhow::Result<PathBuf> {

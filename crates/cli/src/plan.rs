@@ -529,6 +529,27 @@ pub fn install_metrics(address: Option<SocketAddr>) -> anyhow::Result<Prometheus
     }
 }
 
+/// Sums metric `name` over its series whose labels contain `label` (all
+/// when `None`), from Prometheus text (what `/metrics` serves).
+///
+/// ```
+/// let text = "# TYPE x counter\nx{subtask=\"0\"} 2\nx{subtask=\"1\"} 3\nxy 9\n";
+/// assert_eq!(tinyflow_cli::metric_sum(text, "x", None), 5.0);
+/// assert_eq!(tinyflow_cli::metric_sum(text, "x", Some("subtask=\"1\"")), 3.0);
+/// ```
+pub fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, labels) = series.split_once('{').unwrap_or((series, ""));
+            (n == name && label.is_none_or(|want| labels.contains(want)))
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
 impl JobPlan {
     /// The Kafka offsets the table's last commit of this sink holds the
     /// data up to (from its `source-positions` property), if it has any.

@@ -12,6 +12,8 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tinyflow_cli::metric_sum;
+
 /// `GET /metrics` over plain HTTP; the body, or `None` while the endpoint
 /// is not up.
 fn scrape(port: u16) -> Option<String> {
@@ -23,18 +25,6 @@ fn scrape(port: u16) -> Option<String> {
     s.read_to_string(&mut out).ok()?;
     let (head, body) = out.split_once("\r\n\r\n")?;
     (head.starts_with("HTTP/1.") && head.contains(" 200 ")).then(|| body.to_owned())
-}
-
-/// The sum of a metric's series in Prometheus text.
-fn value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, v) = l.rsplit_once(' ')?;
-            let n = series.split_once('{').map_or(series, |(n, _)| n);
-            (n == name).then(|| v.parse::<f64>().ok()).flatten()
-        })
-        .sum()
 }
 
 #[test]
@@ -66,7 +56,7 @@ fn the_demo_checks_exactly_once_and_serves_its_metrics() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let text = loop {
         if let Some(t) = scrape(port)
-            && value(&t, "tinyflow_iceberg_commits_total") >= 1.0
+            && metric_sum(&t, "tinyflow_iceberg_commits_total", None) >= 1.0
         {
             break t;
         }
@@ -82,6 +72,8 @@ fn the_demo_checks_exactly_once_and_serves_its_metrics() {
     };
     for name in [
         "tinyflow_kafka_records_read_total",
+        "tinyflow_records_in_total",
+        "tinyflow_records_out_total",
         "tinyflow_iceberg_rows_written_total",
         "tinyflow_iceberg_files_written_total",
         "tinyflow_checkpoints_completed_total",
@@ -89,7 +81,7 @@ fn the_demo_checks_exactly_once_and_serves_its_metrics() {
         "tinyflow_iceberg_last_committed_checkpoint",
     ] {
         assert!(
-            value(&text, name) > 0.0,
+            metric_sum(&text, name, None) > 0.0,
             "{name} is missing or 0 in:\n{text}"
         );
     }

@@ -253,6 +253,52 @@ pub fn committed_property(sink_id: &str) -> String {
     format!("tinyflow.sink.{sink_id}.checkpoint-id")
 }
 
+/// Every non-null value of the `long` column `column`, read through
+/// iceberg-rust's scan of the current snapshot, or of snapshot `snapshot_id`
+/// (in file order; empty before the first commit). For tools and tests that
+/// check what a table holds.
+pub async fn scan_longs(
+    table: &Table,
+    column: &str,
+    snapshot_id: Option<i64>,
+) -> StreamResult<Vec<i64>> {
+    use futures_util::TryStreamExt;
+    let label = format!("{}", table.identifier());
+    if snapshot_id.is_none() && table.metadata().current_snapshot().is_none() {
+        return Ok(Vec::new());
+    }
+    let mut scan = table.scan().select([column]);
+    if let Some(id) = snapshot_id {
+        scan = scan.snapshot_id(id);
+    }
+    let what = format!("scanning column {column}");
+    let batches: Vec<arrow_array::RecordBatch> = scan
+        .build()
+        .map_err(|e| external(&label, what.clone(), &e))?
+        .to_arrow()
+        .await
+        .map_err(|e| external(&label, what.clone(), &e))?
+        .try_collect()
+        .await
+        .map_err(|e| external(&label, what.clone(), &e))?;
+    let mut values = Vec::new();
+    for b in &batches {
+        let longs = b
+            .column(0)
+            .as_any()
+            .downcast_ref::<arrow_array::Int64Array>()
+            .ok_or_else(|| StreamError::External {
+                operator: label.clone(),
+                system: "iceberg",
+                action: what.clone(),
+                message: format!("the column is {}, not long", b.column(0).data_type()),
+                retryable: false,
+            })?;
+        values.extend(longs.iter().flatten());
+    }
+    Ok(values)
+}
+
 /// The table property holding the source positions (JSON, as in
 /// [`SUMMARY_SOURCE_POSITIONS`]) of the last checkpoint `sink_id`
 /// committed; set in the same transaction as [`committed_property`], so it
