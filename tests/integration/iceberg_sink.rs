@@ -9,7 +9,8 @@
 //! but before anything learned of it, during the retry after a real
 //! conflict, and a lost catalog answer. After each, a committer restored
 //! from the checkpoint must leave every record in the table exactly once.
-//! Then whole jobs through the runtime, with panics at random moments.
+//! Then whole jobs through the runtime, with panics at random moments, on
+//! the sqlite catalog and on a PostgreSQL one (`TINYFLOW_POSTGRES_URL`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -126,8 +127,11 @@ fn batch(ids: std::ops::Range<i64>) -> RecordBatch {
 }
 
 fn config(dir: &Path, sink_id: &str) -> IcebergSinkConfig {
-    let mut c = IcebergSinkConfig::new(CatalogConfig::sqlite(dir), NS, TABLE, sink_id)
-        .create_if_missing(table_spec());
+    config_on(CatalogConfig::sqlite(dir), sink_id)
+}
+
+fn config_on(catalog: CatalogConfig, sink_id: &str) -> IcebergSinkConfig {
+    let mut c = IcebergSinkConfig::new(catalog, NS, TABLE, sink_id).create_if_missing(table_spec());
     c.retry_backoff = ms(10);
     c.orphan_min_age = None;
     c
@@ -826,7 +830,7 @@ fn quiet_injected_panics() {
 
 /// Runs source -> map (panics at the given batch counts) -> iceberg sink.
 async fn run_job(
-    dir: &Path,
+    catalog: &CatalogConfig,
     store: Arc<MemoryCheckpointStore>,
     batches: Vec<Vec<RecordBatch>>,
     panic_at: Vec<u64>,
@@ -853,7 +857,7 @@ async fn run_job(
             }
             b
         });
-    let mut c = config(dir, "e2e");
+    let mut c = config_on(catalog.clone(), "e2e");
     c.fault_hook = fault_hook;
     IcebergSink::new(c)
         .unwrap()
@@ -893,13 +897,42 @@ fn batches(partitions: usize, per: usize, rows: i64, offset: i64) -> Vec<Vec<Rec
         .collect()
 }
 
-/// A whole job with failures at random moments (panics in an operator and
-/// crashes in commits), then a second run over a wiped checkpoint store:
-/// pyiceberg reads every id exactly once, the partitions and the summary
-/// keys.
+/// [`jobs_with_failures_then_a_wiped_store`] on the embedded sqlite catalog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     let dir = tempfile::tempdir().unwrap();
+    jobs_with_failures_then_a_wiped_store(CatalogConfig::sqlite(dir.path())).await;
+}
+
+/// The same on the SQL catalog in PostgreSQL (a real server, which
+/// `cargo xtask ci` starts), as in production.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_failures_leave_every_record_once_on_a_postgres_catalog() {
+    let dir = tempfile::tempdir().unwrap();
+    // A catalog name of its own: the server outlives test runs, and the
+    // SQL catalog keeps each catalog's tables apart by name.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let catalog = CatalogConfig::Sql {
+        name: format!("pg-{nanos}"),
+        uri: tinyflow_tests::postgres_url(),
+        warehouse: format!("file://{}", dir.path().join("warehouse").display()),
+        properties: Default::default(),
+    };
+    jobs_with_failures_then_a_wiped_store(catalog).await;
+}
+
+/// A whole job with failures at random moments (panics in an operator and
+/// crashes in commits), then a second run over a wiped checkpoint store, on
+/// `catalog`: pyiceberg reads every id exactly once, the partitions, the
+/// summary keys and the table properties.
+#[allow(
+    clippy::print_stderr,
+    reason = "the seed of a failing run must show in its output"
+)]
+async fn jobs_with_failures_then_a_wiped_store(catalog: CatalogConfig) {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -935,7 +968,7 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     );
     let store = Arc::new(MemoryCheckpointStore::new());
     let report = run_job(
-        dir.path(),
+        &catalog,
         store,
         batches(4, 40, 25, 0),
         panic_at,
@@ -945,7 +978,7 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     .await;
     assert!(report.attempts >= 2, "failures were injected: {report:?}");
 
-    let first = IcebergSink::new(config(dir.path(), "e2e")).unwrap();
+    let first = IcebergSink::new(config_on(catalog.clone(), "e2e")).unwrap();
     let committed = first.last_committed().await.unwrap().unwrap();
     assert_eq!(
         ids(&first.load_table().await.unwrap()).await,
@@ -955,7 +988,7 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     // A wiped checkpoint store: the next run's ids start above what the
     // table holds, so its data is not taken for committed.
     let second = run_job(
-        dir.path(),
+        &catalog,
         Arc::new(MemoryCheckpointStore::new()),
         batches(2, 10, 25, 4_000),
         vec![],
@@ -965,7 +998,7 @@ async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
     .await;
     assert!(second.final_checkpoint.unwrap() > committed);
 
-    let py = tinyflow_tests::pyiceberg_read(dir.path(), &format!("{NS}.{TABLE}"), &[]);
+    let py = tinyflow_tests::pyiceberg_read_catalog(&catalog, &format!("{NS}.{TABLE}"), &[]);
     assert_eq!(py["rows"], 4_500, "{py}");
     assert_eq!(py["distinct_ids"], 4_500);
     assert_eq!(py["id_sum"], (0..4_500i64).sum::<i64>());

@@ -1,10 +1,10 @@
 """Reads an Iceberg table with pyiceberg, independently of tinyflow's Rust
 code, and prints what the tests check as one JSON object:
 
-    python read_table.py CATALOG_NAME CATALOG_DIR NAMESPACE.TABLE [ID_COLUMN [SUM_COLUMN]]
+    python read_table.py CATALOG_NAME URI WAREHOUSE NAMESPACE.TABLE [ID_COLUMN [SUM_COLUMN]]
 
-CATALOG_DIR holds catalog.db and warehouse/ (as `CatalogConfig::sqlite`
-lays them out). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
+URI is the SQL catalog's SQLAlchemy URI (`sqlite:///.../catalog.db`,
+`postgresql+psycopg2://user@host:port/db`), WAREHOUSE its warehouse. Output keys: rows, distinct_ids, id_sum, id_min, id_max,
 value_sum (the sum of SUM_COLUMN, when given),
 partitions (the distinct partition values of the data files, each
 {field: value as a string}, sorted), snapshots (each
@@ -18,14 +18,10 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 
 def main() -> None:
-    name, directory, table_name = sys.argv[1], sys.argv[2], sys.argv[3]
-    id_column = sys.argv[4] if len(sys.argv) > 4 else "id"
-    sum_column = sys.argv[5] if len(sys.argv) > 5 else None
-    catalog = SqlCatalog(
-        name,
-        uri=f"sqlite:///{directory}/catalog.db",
-        warehouse=f"file://{directory}/warehouse",
-    )
+    name, uri, warehouse, table_name = sys.argv[1:5]
+    id_column = sys.argv[5] if len(sys.argv) > 5 else "id"
+    sum_column = sys.argv[6] if len(sys.argv) > 6 else None
+    catalog = SqlCatalog(name, uri=uri, warehouse=warehouse)
     table = catalog.load_table(table_name)
     data = table.scan().to_arrow()
     ids = data.column(id_column).to_pylist() if data.num_rows else []

@@ -301,14 +301,49 @@ pub fn quiet_panics_containing(marker: &'static str) {
 }
 
 /// pyiceberg's view of the table `table` (`namespace.name`) in the sqlite
-/// catalog under `dir`, as `tests/python/read_table.py` prints it; `args`
-/// are its optional id and sum columns. The Python is `TINYFLOW_PYTHON`, or
-/// the venv `cargo xtask py-setup` makes.
+/// catalog under `dir`: [`pyiceberg_read_catalog`] of
+/// `CatalogConfig::sqlite(dir)`.
 ///
 /// # Panics
-/// When pyiceberg cannot run or fails: the tests that read tables back
-/// need it.
+/// As [`pyiceberg_read_catalog`].
 pub fn pyiceberg_read(dir: &std::path::Path, table: &str, args: &[&str]) -> serde_json::Value {
+    pyiceberg_read_catalog(
+        &tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir),
+        table,
+        args,
+    )
+}
+
+/// pyiceberg's view of the table `table` (`namespace.name`) in a SQL
+/// catalog (sqlite or PostgreSQL), as `tests/python/read_table.py` prints
+/// it; `args` are its optional id and sum columns. The Python is
+/// `TINYFLOW_PYTHON`, or the venv `cargo xtask py-setup` makes.
+///
+/// # Panics
+/// When pyiceberg cannot run or fails, or the catalog is not a SQL one:
+/// the tests that read tables back need it.
+pub fn pyiceberg_read_catalog(
+    catalog: &tinyflow_connectors_iceberg::CatalogConfig,
+    table: &str,
+    args: &[&str],
+) -> serde_json::Value {
+    let tinyflow_connectors_iceberg::CatalogConfig::Sql {
+        name,
+        uri,
+        warehouse,
+        ..
+    } = catalog
+    else {
+        panic!("pyiceberg reads SQL catalogs here, not {catalog:?}");
+    };
+    // sqlx URIs to SQLAlchemy's.
+    let uri = if let Some(path) = uri.strip_prefix("sqlite:") {
+        format!("sqlite:///{}", path.split('?').next().unwrap_or(path))
+    } else if let Some(rest) = uri.strip_prefix("postgres://") {
+        format!("postgresql+psycopg2://{rest}")
+    } else {
+        uri.clone()
+    };
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let py = std::env::var_os("TINYFLOW_PYTHON").map_or_else(
         || root.join("../target/pyiceberg-venv/bin/python"),
@@ -316,15 +351,13 @@ pub fn pyiceberg_read(dir: &std::path::Path, table: &str, args: &[&str]) -> serd
     );
     let out = std::process::Command::new(&py)
         .arg(root.join("python/read_table.py"))
-        .arg("tinyflow")
-        .arg(dir)
-        .arg(table)
+        .args([name, &uri, warehouse, table])
         .args(args)
         .output()
         .unwrap_or_else(|e| {
             panic!(
                 "pyiceberg is needed: could not run {} ({e}); run `cargo xtask py-setup` \
-                 or set TINYFLOW_PYTHON to a python with pyiceberg[sql-sqlite,pyarrow]",
+                 or set TINYFLOW_PYTHON to a python with pyiceberg[sql-sqlite,sql-postgres,pyarrow]",
                 py.display()
             )
         });
@@ -334,4 +367,18 @@ pub fn pyiceberg_read(dir: &std::path::Path, table: &str, args: &[&str]) -> serd
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("read_table.py prints one JSON object")
+}
+
+/// The PostgreSQL server for the SQL catalog tests, from
+/// `TINYFLOW_POSTGRES_URL` (`cargo xtask ci` starts one and sets it).
+///
+/// # Panics
+/// When it is not set: those tests need a real server.
+pub fn postgres_url() -> String {
+    std::env::var("TINYFLOW_POSTGRES_URL").unwrap_or_else(|_| {
+        panic!(
+            "TINYFLOW_POSTGRES_URL is not set: these tests need a PostgreSQL server. Run \
+             `cargo xtask ci` (it starts one), or `cargo xtask postgres start` and export the line it prints"
+        )
+    })
 }

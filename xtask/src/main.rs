@@ -8,6 +8,8 @@
 //! - `demo`: the runnable demo of what tinyflow does so far.
 //! - `kafka start|stop|status`: a real Apache Kafka broker on loopback for
 //!   integration tests (see `kafka.rs`).
+//! - `postgres start|stop|status`: a throwaway PostgreSQL server on
+//!   loopback for the Iceberg SQL catalog tests (see `postgres.rs`).
 //! - `py-setup`: pyiceberg in `target/pyiceberg-venv`, the independent
 //!   reader of the Iceberg tests (see `python.rs`).
 //!
@@ -27,6 +29,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 mod kafka;
+mod postgres;
 mod python;
 
 fn main() -> Result<()> {
@@ -34,6 +37,7 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("kafka") => kafka::main(&args[1..]),
+        Some("postgres") => postgres::main(&args[1..]),
         Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
         Some("demo") => run(
             "demo",
@@ -48,11 +52,14 @@ fn main() -> Result<()> {
             .args(&args[1..]),
         ),
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|kafka>");
+            eprintln!("usage: cargo xtask <ci|demo|kafka|postgres|py-setup>");
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
             eprintln!(
                 "  kafka start|stop|kill|restart|resume|discard|status [--port N]: a local Kafka broker for tests"
+            );
+            eprintln!(
+                "  postgres start|stop|status [--port N]: a throwaway PostgreSQL server for the catalog tests"
             );
             eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
             bail!("unknown or missing command {:?}", args.first());
@@ -87,10 +94,13 @@ fn ci() -> Result<()> {
     // Integration tests read and write a real Kafka broker; it stops when
     // `broker` is dropped, also when a step fails.
     let broker = kafka::CiBroker::start()?;
+    // The Iceberg SQL catalog on PostgreSQL, as in production.
+    let postgres = postgres::CiPostgres::start()?;
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
             .env("KAFKA_BOOTSTRAP", &broker.bootstrap)
+            .env("TINYFLOW_POSTGRES_URL", &postgres.url)
             .env("TINYFLOW_PYTHON", &python)
             // Tests that stop and restart a broker of their own run this
             // binary's `kafka` command.
@@ -98,6 +108,7 @@ fn ci() -> Result<()> {
         &mut counts,
     )?;
     drop(broker);
+    drop(postgres);
     // The README's demo command, shortened: it checks exactly-once itself
     // and fails when the table does not hold every bid once. The tests
     // built the binary (the chaos test needs it) next to this one.

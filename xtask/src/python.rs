@@ -1,6 +1,6 @@
 //! pyiceberg, the independent reader the Iceberg tests check tables with:
 //! a virtual environment in `target/pyiceberg-venv` with
-//! `pyiceberg[sql-sqlite,pyarrow]` installed (about 30 s the first time,
+//! `pyiceberg[sql-sqlite,sql-postgres,pyarrow]` installed (about 30 s the first time,
 //! nothing when it is there already).
 
 use std::path::PathBuf;
@@ -9,7 +9,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 /// The pinned pyiceberg (0.12 reads everything iceberg-rust 0.10 writes).
-const PACKAGE: &str = "pyiceberg[sql-sqlite,pyarrow]==0.12.0";
+const PACKAGE: &str = "pyiceberg[sql-sqlite,sql-postgres,pyarrow]==0.12.0";
 
 /// Where the environment lives: under the shared target dir, so a clean
 /// clone sets it up once and `cargo clean` removes it.
@@ -26,7 +26,7 @@ pub(crate) fn setup() -> Result<PathBuf> {
     let python = venv.join("bin/python");
     let ready = python.exists()
         && Command::new(&python)
-            .args(["-c", "import pyiceberg, pyarrow, sqlalchemy"])
+            .args(["-c", "import pyiceberg, pyarrow, sqlalchemy, psycopg2"])
             .status()
             .is_ok_and(|s| s.success());
     if ready {
