@@ -34,6 +34,62 @@ struct State {
     pending: BTreeMap<u64, Staged>,
 }
 
+/// What starts a versioned committer state: ten bytes of 0xFF, which no
+/// state of the first layout can start with (it starts with the length of
+/// its map as a varint, and a varint's tenth byte never has its high bit
+/// set), then the layout's version.
+const VERSIONED: [u8; 10] = [0xFF; 10];
+/// The layout [`State`] is written in.
+const STATE_VERSION: u8 = 2;
+
+/// The first layout (before source positions), which checkpoints taken by
+/// earlier versions hold.
+#[derive(Debug, Deserialize)]
+struct StateV1 {
+    pending: BTreeMap<u64, StagedV1>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StagedV1 {
+    files: Vec<DataFileMeta>,
+    watermark: Option<i64>,
+}
+
+impl State {
+    fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
+        let mut out = VERSIONED.to_vec();
+        out.push(STATE_VERSION);
+        postcard::to_extend(self, out)
+    }
+
+    /// Decodes a state of any layout this version knows.
+    fn decode(bytes: &[u8]) -> Result<State, String> {
+        let Some(rest) = bytes.strip_prefix(&VERSIONED[..]) else {
+            let v1: StateV1 = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
+            let pending = v1
+                .pending
+                .into_iter()
+                .map(|(id, s)| {
+                    let staged = Staged {
+                        files: s.files,
+                        watermark: s.watermark,
+                        positions: JobPositions::new(),
+                    };
+                    (id, staged)
+                })
+                .collect();
+            return Ok(State { pending });
+        };
+        match rest.split_first() {
+            Some((&STATE_VERSION, body)) => postcard::from_bytes(body).map_err(|e| e.to_string()),
+            Some((v, _)) => Err(format!(
+                "layout version {v}, written by a newer tinyflow; this one reads up to {STATE_VERSION}"
+            )),
+            None => Err("no layout version after the marker".to_owned()),
+        }
+    }
+}
+
 /// Creates the committer (parallelism 1).
 pub(crate) struct CommitterFactory {
     pub(crate) table: Arc<SinkTable>,
@@ -58,10 +114,10 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
         let mut committer = Committer::new(Arc::clone(&self.table));
         if let Some(restore) = restored {
             for bytes in restore.states {
-                let state: State = postcard::from_bytes(bytes).map_err(|e| StreamError::State {
+                let state = State::decode(bytes).map_err(|message| StreamError::State {
                     operator: ctx.name.clone(),
                     action: "decoded",
-                    message: e.to_string(),
+                    message,
                 })?;
                 for (id, staged) in state.pending {
                     let entry = committer.pending.entry(id).or_default();
@@ -414,7 +470,7 @@ impl Sink<DataFileMeta> for Committer {
         let state = State {
             pending: self.pending.clone(),
         };
-        postcard::to_allocvec(&state).map_err(|e| StreamError::State {
+        state.encode().map_err(|e| StreamError::State {
             operator: self.table.label(),
             action: "encoded",
             message: e.to_string(),
@@ -444,5 +500,98 @@ impl Sink<DataFileMeta> for Committer {
 
     fn on_positions(&mut self, _id: CheckpointId, positions: &JobPositions) {
         self.positions = positions.clone();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    fn file(n: u64) -> DataFileMeta {
+        DataFileMeta {
+            path: format!("file:///w/f-{n}.parquet"),
+            spec_id: 0,
+            records: n,
+            bytes: 100 * n,
+            json: "{}".to_owned(),
+        }
+    }
+
+    /// Checkpoints taken before source positions existed still restore.
+    #[test]
+    fn states_of_the_first_layout_still_decode() {
+        #[derive(Serialize)]
+        struct OldStaged {
+            files: Vec<DataFileMeta>,
+            watermark: Option<i64>,
+        }
+        #[derive(Serialize)]
+        struct OldState {
+            pending: BTreeMap<u64, OldStaged>,
+        }
+        let old = OldState {
+            pending: BTreeMap::from([
+                (
+                    3,
+                    OldStaged {
+                        files: vec![file(1), file(2)],
+                        watermark: Some(7),
+                    },
+                ),
+                (
+                    4,
+                    OldStaged {
+                        files: vec![file(3)],
+                        watermark: None,
+                    },
+                ),
+            ]),
+        };
+        let state = State::decode(&postcard::to_allocvec(&old).unwrap()).unwrap();
+        assert_eq!(state.pending.len(), 2);
+        assert_eq!(state.pending[&3].files, vec![file(1), file(2)]);
+        assert_eq!(state.pending[&3].watermark, Some(7));
+        assert!(state.pending[&4].positions.is_empty());
+    }
+
+    #[test]
+    fn states_round_trip_with_positions_and_refuse_newer_layouts() {
+        let positions = JobPositions::from([(
+            "kafka".to_owned(),
+            BTreeMap::from([("bids/0".to_owned(), "12".to_owned())]),
+        )]);
+        let state = State {
+            pending: BTreeMap::from([(
+                5,
+                Staged {
+                    files: vec![file(4)],
+                    watermark: Some(1),
+                    positions: positions.clone(),
+                },
+            )]),
+        };
+        let bytes = state.encode().unwrap();
+        let back = State::decode(&bytes).unwrap();
+        assert_eq!(back.pending[&5], state.pending[&5]);
+        assert_eq!(back.pending[&5].positions, positions);
+        let mut newer = bytes.clone();
+        newer[VERSIONED.len()] = STATE_VERSION + 1;
+        let err = State::decode(&newer).unwrap_err();
+        assert!(err.contains("newer tinyflow"), "{err}");
+        // The empty state of either layout.
+        assert!(
+            State::decode(&State::default().encode().unwrap())
+                .unwrap()
+                .pending
+                .is_empty()
+        );
+        assert!(
+            State::decode(&postcard::to_allocvec(&BTreeMap::<u64, u8>::new()).unwrap())
+                .unwrap()
+                .pending
+                .is_empty()
+        );
     }
 }
