@@ -51,7 +51,7 @@ use tinyflow_benches::kafka::{
 };
 use tinyflow_cli::JobFile;
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
-use tinyflow_connectors_iceberg::{CatalogConfig, load_table, scan_longs};
+use tinyflow_connectors_iceberg::{TableReader, scan_longs};
 use tinyflow_connectors_kafka::DEFAULT_CLIENT_SETTINGS;
 
 struct Args {
@@ -243,9 +243,10 @@ fn metric(handle: &PrometheusHandle, name: &str) -> f64 {
     tinyflow_cli::metric_sum(&handle.render(), name, None)
 }
 
-async fn total_records(catalog: &CatalogConfig) -> u64 {
+async fn total_records(table: &TableReader) -> u64 {
     // Before the first commit the table may not exist yet.
-    load_table(catalog, "bench", "bids")
+    table
+        .load()
         .await
         .map_or(0, |t| tinyflow_connectors_iceberg::total_records(&t))
 }
@@ -268,7 +269,10 @@ async fn job(
     .unwrap()
     .plan()
     .unwrap();
-    let catalog = plan.sink.catalog.clone();
+    // Opened once: a catalog opened on every poll would load the machine.
+    let table = TableReader::open(&plan.sink.catalog, "bench", "bids")
+        .await
+        .unwrap();
     let read0 = metric(handle, "tinyflow_kafka_records_read_total");
     let written0 = metric(handle, "tinyflow_iceberg_rows_written_total");
     reset_peak_rss();
@@ -285,7 +289,7 @@ async fn job(
             running.await
         );
         let done = if commit {
-            total_records(&catalog).await >= n
+            total_records(&table).await >= n
         } else {
             metric(handle, "tinyflow_iceberg_rows_written_total") - written0 >= n as f64
         };
@@ -374,7 +378,9 @@ async fn latency(knobs: &Knobs, partitions: i32, rate: u64, secs: u64, dir: &Pat
         .unwrap()
         .plan()
         .unwrap();
-    let catalog = plan.sink.catalog.clone();
+    let reader = TableReader::open(&plan.sink.catalog, "bench", "bids")
+        .await
+        .unwrap();
     let running = tokio::spawn(plan.run());
     // Let the job connect before producing.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -402,7 +408,7 @@ async fn latency(knobs: &Knobs, partitions: i32, rate: u64, secs: u64, dir: &Pat
             )
         })
     };
-    while total_records(&catalog).await < n {
+    while total_records(&reader).await < n {
         assert!(!running.is_finished(), "the latency job ended early");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -410,7 +416,7 @@ async fn latency(knobs: &Knobs, partitions: i32, rate: u64, secs: u64, dir: &Pat
     running.abort();
     let _ = running.await;
     // Which snapshot first holds each id: scan every snapshot, oldest first.
-    let table = load_table(&catalog, "bench", "bids").await.unwrap();
+    let table = reader.load().await.unwrap();
     let mut snapshots: Vec<_> = table.metadata().snapshots().cloned().collect();
     snapshots.sort_by_key(|s| s.sequence_number());
     let sent = sent_at.lock().unwrap().clone();

@@ -32,7 +32,7 @@ use tinyflow_cli::{
     JobSection, MetricsSection, PartitionSection, RestartSection, SinkSection, SourceSection,
     TransformSection, format_duration, install_metrics, metric_sum, parse_duration,
 };
-use tinyflow_connectors_iceberg::{IcebergSinkConfig, load_table, scan_longs, total_records};
+use tinyflow_connectors_iceberg::{TableReader, scan_longs, total_records};
 use tinyflow_connectors_kafka::EmbeddedKafka;
 
 /// `tinyflow demo` options.
@@ -266,15 +266,9 @@ impl Progress {
 }
 
 /// Rows in the table's current snapshot, and how many snapshots it has.
-async fn table_rows(sink: &IcebergSinkConfig) -> anyhow::Result<(u64, usize)> {
-    let table = load_table(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
+async fn table_rows(reader: &TableReader) -> anyhow::Result<(u64, usize)> {
+    let table = reader.load().await?;
     Ok((total_records(&table), table.metadata().snapshots().count()))
-}
-
-/// Every `id` in the table (an independent read through iceberg's scan).
-async fn table_ids(sink: &IcebergSinkConfig) -> anyhow::Result<Vec<i64>> {
-    let table = load_table(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
-    Ok(scan_longs(&table, "id", None).await?)
 }
 
 fn fresh_dir(dir: &Path) -> anyhow::Result<PathBuf> {
@@ -357,11 +351,12 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
 
     // Wait for the job to commit what was produced.
+    let reader = TableReader::open(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
     let drain_start = Instant::now();
     let (rows, _) = loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let _ = write!(stderr, "\r{}", progress.line(total));
-        let (rows, snapshots) = table_rows(&sink).await.unwrap_or((0, 0));
+        let (rows, snapshots) = table_rows(&reader).await.unwrap_or((0, 0));
         if rows >= total || drain_start.elapsed() > Duration::from_secs(120) || job.is_finished() {
             break (rows, snapshots);
         }
@@ -374,10 +369,11 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
             "after 120 s the table holds {rows} of {total} produced bids; is the job stuck? (TINYFLOW_LOG=info shows why)"
         );
     }
-    let (_, snapshots) = table_rows(&sink).await?;
+    let (_, snapshots) = table_rows(&reader).await?;
     let elapsed = progress.start.elapsed().as_secs_f64();
 
-    let mut ids = table_ids(&sink).await?;
+    // Every `id` in the table (an independent read through iceberg's scan).
+    let mut ids = scan_longs(&reader.load().await?, "id", None).await?;
     let count = ids.len() as u64;
     ids.sort_unstable();
     ids.dedup();

@@ -215,26 +215,58 @@ impl SinkTable {
 
 /// Opens `catalog` and loads the table `namespace.table` (namespace levels
 /// separated by dots), for tools and tests that read a table tinyflow
-/// writes.
+/// writes once. To read it again and again, open a [`TableReader`].
 pub async fn load_table(
     catalog: &CatalogConfig,
     namespace: &str,
     table: &str,
 ) -> StreamResult<Table> {
-    let c = open_catalog(catalog, std::time::Duration::from_secs(10)).await?;
-    let ident = NamespaceIdent::from_strs(namespace.split('.'))
-        .map(|ns| TableIdent::new(ns, table.to_owned()))
-        .map_err(|e| external("iceberg", format!("naming {namespace}.{table}"), &e))?;
-    c.load_table(&ident).await.map_err(|e| {
-        external(
-            "iceberg",
-            format!(
-                "loading {namespace}.{table} from the {}",
-                catalog.describe()
-            ),
-            &e,
-        )
-    })
+    TableReader::open(catalog, namespace, table)
+        .await?
+        .load()
+        .await
+}
+
+/// A table read again and again (a tool polling for commits): the catalog
+/// is opened once, and each [`TableReader::load`] reads the table's current
+/// metadata through it.
+pub struct TableReader {
+    catalog: Arc<dyn Catalog>,
+    ident: TableIdent,
+    /// `namespace.table from the <catalog>`, for errors.
+    label: String,
+}
+
+impl std::fmt::Debug for TableReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableReader")
+            .field("table", &self.label)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TableReader {
+    /// Opens `catalog` for the table `namespace.table` (namespace levels
+    /// separated by dots); the table need not exist yet.
+    pub async fn open(catalog: &CatalogConfig, namespace: &str, table: &str) -> StreamResult<Self> {
+        let c = open_catalog(catalog, std::time::Duration::from_secs(10)).await?;
+        let ident = NamespaceIdent::from_strs(namespace.split('.'))
+            .map(|ns| TableIdent::new(ns, table.to_owned()))
+            .map_err(|e| external("iceberg", format!("naming {namespace}.{table}"), &e))?;
+        Ok(TableReader {
+            catalog: c,
+            ident,
+            label: format!("{namespace}.{table} from the {}", catalog.describe()),
+        })
+    }
+
+    /// The table as the catalog has it now.
+    pub async fn load(&self) -> StreamResult<Table> {
+        self.catalog
+            .load_table(&self.ident)
+            .await
+            .map_err(|e| external("iceberg", format!("loading {}", self.label), &e))
+    }
 }
 
 /// Rows in the table's current snapshot: its summary's `total-records`
