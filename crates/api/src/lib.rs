@@ -53,6 +53,6 @@ pub use operator::{
     Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory,
     ErasedWriter, ErasedWriterFactory, JobPositions, Operator, OperatorContext, OperatorFactory,
     OperatorState, Sink, SinkFactory, SinkRestore, Source, SourceFactory, SourcePositions,
-    SourceWatermark, Writer, WriterFactory,
+    SourceWatermark, Writer, WriterFactory, merge_positions,
 };
 pub use window::{TumblingWindows, Window, WindowOutput, WindowedStream};

@@ -153,6 +153,14 @@ pub type SourcePositions = BTreeMap<String, String>;
 /// node name: what the data before the barrier was read up to.
 pub type JobPositions = BTreeMap<String, SourcePositions>;
 
+/// Adds `from` to `into`. The subtasks of one source own disjoint
+/// partitions, so their positions add up rather than replace each other.
+pub fn merge_positions(into: &mut JobPositions, from: JobPositions) {
+    for (source, at) in from {
+        into.entry(source).or_default().extend(at);
+    }
+}
+
 /// Event-time progress of a source subtask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SourceWatermark {

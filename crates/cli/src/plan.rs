@@ -18,6 +18,7 @@ use tinyflow_connectors_iceberg::{
 };
 use tinyflow_connectors_kafka::{
     BadRecordPolicy, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig, StartPosition,
+    offsets_of_positions,
 };
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig};
 
@@ -561,22 +562,12 @@ impl JobPlan {
         let Some(kafka) = positions.get(SOURCE_NODE) else {
             return Ok(None);
         };
-        let property = self.sink.positions_property();
-        let mut offsets = BTreeMap::new();
-        for (name, offset) in kafka {
-            let parsed = name.rsplit_once('/').and_then(|(topic, partition)| {
-                Some((
-                    (topic.to_owned(), partition.parse().ok()?),
-                    offset.parse().ok()?,
-                ))
-            });
-            let Some((at, offset)) = parsed else {
-                anyhow::bail!(
-                    "the table property {property} has `{name}: {offset}`, expected `topic/partition: offset`"
-                );
-            };
-            offsets.insert(at, offset);
-        }
+        let offsets = offsets_of_positions(kafka).map_err(|m| {
+            anyhow::anyhow!(
+                "the table property {} has {m}",
+                self.sink.positions_property()
+            )
+        })?;
         Ok(Some(offsets))
     }
 

@@ -9,7 +9,7 @@ use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use serde::{Deserialize, Serialize};
 use tinyflow_api::{
     CheckpointId, JobPositions, OperatorContext, Sink, SinkFactory, SinkRestore, StreamError,
-    StreamResult,
+    StreamResult, merge_positions,
 };
 
 use crate::catalog::{
@@ -123,9 +123,7 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
                     let entry = committer.pending.entry(id).or_default();
                     entry.files.extend(staged.files);
                     entry.watermark = entry.watermark.max(staged.watermark);
-                    for (source, at) in staged.positions {
-                        entry.positions.entry(source).or_default().extend(at);
-                    }
+                    merge_positions(&mut entry.positions, staged.positions);
                 }
             }
             let files: usize = committer.pending.values().map(|s| s.files.len()).sum();

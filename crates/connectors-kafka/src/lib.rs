@@ -38,4 +38,4 @@ pub use config::{
 };
 #[cfg(feature = "embedded")]
 pub use embedded::EmbeddedKafka;
-pub use source::{KafkaRecord, KafkaSource, decode_positions};
+pub use source::{KafkaRecord, KafkaSource, decode_positions, offsets_of_positions};

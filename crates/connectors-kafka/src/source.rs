@@ -159,6 +159,28 @@ pub(crate) fn external(
     }
 }
 
+/// The start offsets a Kafka source's [`Source::positions`] name (as a
+/// sink recorded them, e.g. in an Iceberg table): `topic/partition` ->
+/// next offset, for [`StartPosition::Offsets`](crate::StartPosition).
+/// The error quotes the entry that is not of that form.
+pub fn offsets_of_positions(
+    positions: &SourcePositions,
+) -> Result<BTreeMap<(String, i32), i64>, String> {
+    positions
+        .iter()
+        .map(|(name, offset)| {
+            name.rsplit_once('/')
+                .and_then(|(topic, partition)| {
+                    Some((
+                        (topic.to_owned(), partition.parse().ok()?),
+                        offset.parse().ok()?,
+                    ))
+                })
+                .ok_or_else(|| format!("`{name}: {offset}`, expected `topic/partition: offset`"))
+        })
+        .collect()
+}
+
 /// The positions (topic, partition, next offset) in a Kafka source's
 /// checkpoint state, for tools that inspect checkpoints.
 pub fn decode_positions(bytes: &[u8]) -> StreamResult<Vec<(String, i32, i64)>> {
@@ -789,12 +811,9 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
         while self.taken.front().is_some_and(|(taken, _)| *taken <= id) {
             completed = self.taken.pop_front().map(|(_, at)| at);
         }
-        let Some(completed) = completed else {
+        let Some(completed) = completed.filter(|at| !at.is_empty()) else {
             return Ok(());
         };
-        if completed.is_empty() {
-            return Ok(());
-        }
         let mut tpl = TopicPartitionList::new();
         for ((t, p), o) in &completed {
             tpl.add_partition_offset(t, *p, Offset::Offset(*o))
@@ -898,5 +917,28 @@ impl<T: Send + 'static> Drop for DropAside<T> {
                 tracing::warn!(error = %e, "no thread to close a kafka client on; it is leaked");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    #[test]
+    fn offsets_read_back_from_positions_and_bad_entries_are_named() {
+        let positions = SourcePositions::from([
+            ("bids/0".to_owned(), "12".to_owned()),
+            ("a/b/3".to_owned(), "7".to_owned()),
+        ]);
+        let offsets = offsets_of_positions(&positions).unwrap();
+        assert_eq!(
+            offsets,
+            BTreeMap::from([(("a/b".to_owned(), 3), 7), (("bids".to_owned(), 0), 12)])
+        );
+        let bad = SourcePositions::from([("bids".to_owned(), "12".to_owned())]);
+        let err = offsets_of_positions(&bad).unwrap_err();
+        assert!(err.contains("`bids: 12`"), "{err}");
     }
 }

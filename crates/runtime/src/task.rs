@@ -31,7 +31,7 @@ use std::task::Poll;
 
 use tinyflow_api::{
     AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, ErasedWriter, FromTask,
-    JobPositions, Operator, Partitioning, SourceWatermark, TaskId, ToTask,
+    JobPositions, Operator, Partitioning, SourceWatermark, TaskId, ToTask, merge_positions,
 };
 use tinyflow_checkpoint::CoordinatorHandle;
 use tokio::sync::mpsc;
@@ -548,11 +548,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
                     }
                     aligning = Some(id);
                     held[i] = true;
-                    // Subtasks of one source own disjoint partitions: their
-                    // positions add up.
-                    for (source, at) in upstream.iter() {
-                        positions.entry(source.clone()).or_default().extend(at.clone());
-                    }
+                    merge_positions(&mut positions, Arc::unwrap_or_clone(upstream));
                     if (0..n).all(|j| held[j] || closed[j]) {
                         let merged = Arc::new(std::mem::take(&mut positions));
                         chain.checkpoint(&mut io, id, merged, Vec::new()).await?;
