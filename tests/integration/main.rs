@@ -1,9 +1,8 @@
 //! tinyflow's integration tests: one binary, one module per scenario
-//! (fewer link steps, one place to look).
+//! (fewer link steps, one place to look). The chaos test (`tinyflow run` as a
+//! child process, killed again and again) is `crates/cli/tests/chaos.rs`, where
+//! cargo builds the binary for it.
 //!
-//!
-//! The chaos test (`tinyflow run` as a child process, killed again and again) is
-//! `crates/cli/tests/chaos.rs`, where cargo builds the binary for it.
 //! - `checkpoint_flaws`: a regression test per flaw of the seed's checkpoint manager.
 //! - `checkpoint_driver`: the async driver under tokio's paused clock, exact durations,
 //!   backpressure bounds and a determinism check.
@@ -13,7 +12,7 @@
 //!   retention, id continuity.
 //! - `iceberg_sink`: the Iceberg sink on a sqlite catalog: crashes at every step of the commit,
 //!   two sinks on one table, snapshot expiry, cadence, open-file cap, orphans; whole jobs
-//!   with failures, read back by pyiceberg.
+//!   with failures, read back by pyiceberg, on sqlite and on PostgreSQL.
 //! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
 //!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated

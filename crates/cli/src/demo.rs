@@ -265,12 +265,6 @@ impl Progress {
     }
 }
 
-/// Rows in the table's current snapshot, and how many snapshots it has.
-async fn table_rows(reader: &TableReader) -> anyhow::Result<(u64, usize)> {
-    let table = reader.load().await?;
-    Ok((total_records(&table), table.metadata().snapshots().count()))
-}
-
 fn fresh_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir = std::fs::canonicalize(dir).with_context(|| format!("resolving {}", dir.display()))?;
@@ -353,12 +347,13 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     // Wait for the job to commit what was produced.
     let reader = TableReader::open(&sink.catalog, &sink.namespace.join("."), &sink.table).await?;
     let drain_start = Instant::now();
-    let (rows, _) = loop {
+    let rows = loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let _ = write!(stderr, "\r{}", progress.line(total));
-        let (rows, snapshots) = table_rows(&reader).await.unwrap_or((0, 0));
+        // Before the first commit the table may not exist yet.
+        let rows = reader.load().await.map_or(0, |t| total_records(&t));
         if rows >= total || drain_start.elapsed() > Duration::from_secs(120) || job.is_finished() {
-            break (rows, snapshots);
+            break rows;
         }
     };
     let _ = writeln!(stderr);
@@ -369,11 +364,12 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
             "after 120 s the table holds {rows} of {total} produced bids; is the job stuck? (TINYFLOW_LOG=info shows why)"
         );
     }
-    let (_, snapshots) = table_rows(&reader).await?;
+    let table = reader.load().await?;
+    let snapshots = table.metadata().snapshots().count();
     let elapsed = progress.start.elapsed().as_secs_f64();
 
     // Every `id` in the table (an independent read through iceberg's scan).
-    let mut ids = scan_longs(&reader.load().await?, "id", None).await?;
+    let mut ids = scan_longs(&table, "id", None).await?;
     let count = ids.len() as u64;
     ids.sort_unstable();
     ids.dedup();

@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
+use tinyflow_connectors_iceberg::TableReader;
 use tinyflow_connectors_kafka::testing::{create_topic, produce_stream};
 use tinyflow_tests::SplitMix64;
 use tinyflow_tests::broker::OwnBroker;
@@ -152,10 +153,10 @@ impl Run {
 
 /// Rows in the table's current snapshot, by iceberg-rust (for polling;
 /// the verdict is pyiceberg's).
-async fn committed_rows(dir: &Path) -> u64 {
-    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir);
+async fn committed_rows(table: &TableReader) -> u64 {
     // Before the first commit the table may not exist yet.
-    tinyflow_connectors_iceberg::load_table(&catalog, "chaos", "bids")
+    table
+        .load()
         .await
         .map_or(0, |t| tinyflow_connectors_iceberg::total_records(&t))
 }
@@ -271,8 +272,10 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
     // The last run goes on until the table holds everything.
     let mut last = Run::start(&job, &dir, u32::try_from(kills).unwrap());
     let deadline = Instant::now() + Duration::from_secs(180);
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
+    let table = TableReader::open(&catalog, "chaos", "bids").await.unwrap();
     loop {
-        let rows = committed_rows(&dir).await;
+        let rows = committed_rows(&table).await;
         if rows >= n {
             break;
         }
