@@ -544,7 +544,7 @@ fn is_broker_alive(pid: u32) -> bool {
 
 /// Sends `signal` (a name such as TERM, or 0 to probe) with the `kill` command, which keeps
 /// this crate free of libc and unsafe code.
-fn signal(pid: u32, signal: &str) -> Result<()> {
+pub(crate) fn signal(pid: u32, signal: &str) -> Result<()> {
     let status = Command::new("kill")
         .arg(format!("-{signal}"))
         .arg(pid.to_string())
@@ -698,7 +698,9 @@ fn has_broker_jar(dir: &Path) -> bool {
 }
 
 /// Copies a child's output to our stderr line by line, without ANSI colour resets.
-fn forward_to_stderr(output: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<()> {
+pub(crate) fn forward_to_stderr(
+    output: impl std::io::Read + Send + 'static,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(output).split(b'\n').map_while(Result::ok) {
             let line = String::from_utf8_lossy(&line).replace("\x1b[0m", "");
@@ -710,7 +712,7 @@ fn forward_to_stderr(output: impl std::io::Read + Send + 'static) -> std::thread
 }
 
 /// Waits for `child`, saying every few seconds that it still runs.
-fn wait_with_progress(mut child: Child, what: &str) -> Result<ExitStatus> {
+pub(crate) fn wait_with_progress(mut child: Child, what: &str) -> Result<ExitStatus> {
     let started = Instant::now();
     let mut next_progress = PROGRESS_EVERY;
     loop {
@@ -723,7 +725,7 @@ fn wait_with_progress(mut child: Child, what: &str) -> Result<ExitStatus> {
         if started.elapsed() >= next_progress {
             next_progress += PROGRESS_EVERY;
             eprintln!(
-                "xtask kafka: {what} still running ({} s)",
+                "xtask: {what} still running ({} s)",
                 started.elapsed().as_secs()
             );
         }
@@ -801,19 +803,19 @@ fn read_lossy(path: &Path) -> String {
 }
 
 /// Prints the last lines of a log on stderr.
-fn print_tail(path: &Path) {
+pub(crate) fn print_tail(path: &Path) {
     let text = read_lossy(path);
     let lines: Vec<&str> = text.lines().collect();
     let from = lines.len().saturating_sub(LOG_TAIL_LINES);
     eprintln!(
-        "xtask kafka: ---- last {} lines of {} ----",
+        "xtask: ---- last {} lines of {} ----",
         lines.len() - from,
         path.display()
     );
     for line in &lines[from..] {
         eprintln!("{line}");
     }
-    eprintln!("xtask kafka: ---- end of {} ----", path.display());
+    eprintln!("xtask: ---- end of {} ----", path.display());
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //!   integration tests (see `kafka.rs`).
 //! - `postgres start|stop|status`: a throwaway PostgreSQL server on
 //!   loopback for the Iceberg SQL catalog tests (see `postgres.rs`).
+//! - `iceberg-rest start|stop|status`: Apache Iceberg's REST catalog server
+//!   on loopback for the REST catalog tests (see `rest.rs`).
 //! - `py-setup`: pyiceberg in `target/pyiceberg-venv`, the independent
 //!   reader of the Iceberg tests (see `python.rs`).
 //!
@@ -31,6 +33,7 @@ use anyhow::{Context, Result, bail};
 mod kafka;
 mod postgres;
 mod python;
+mod rest;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,6 +41,7 @@ fn main() -> Result<()> {
         Some("ci") => ci(),
         Some("kafka") => kafka::main(&args[1..]),
         Some("postgres") => postgres::main(&args[1..]),
+        Some("iceberg-rest") => rest::main(&args[1..]),
         Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
         Some("demo") => run(
             "demo",
@@ -52,7 +56,7 @@ fn main() -> Result<()> {
             .args(&args[1..]),
         ),
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|kafka|postgres|py-setup>");
+            eprintln!("usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|py-setup>");
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
             eprintln!(
@@ -60,6 +64,9 @@ fn main() -> Result<()> {
             );
             eprintln!(
                 "  postgres start|stop|status [--port N]: a throwaway PostgreSQL server for the catalog tests"
+            );
+            eprintln!(
+                "  iceberg-rest start|stop|status [--port N]: Iceberg's REST catalog server for the catalog tests"
             );
             eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
             bail!("unknown or missing command {:?}", args.first());
@@ -96,11 +103,14 @@ fn ci() -> Result<()> {
     let broker = kafka::CiBroker::start()?;
     // The Iceberg SQL catalog on PostgreSQL, as in production.
     let postgres = postgres::CiPostgres::start()?;
+    // Iceberg's REST catalog server, the other production catalog.
+    let rest = rest::CiRestCatalog::start()?;
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
             .env("KAFKA_BOOTSTRAP", &broker.bootstrap)
             .env("TINYFLOW_POSTGRES_URL", &postgres.url)
+            .env("TINYFLOW_REST_CATALOG_URL", &rest.url)
             .env("TINYFLOW_PYTHON", &python)
             // Tests that stop and restart a broker of their own run this
             // binary's `kafka` command.
@@ -109,6 +119,7 @@ fn ci() -> Result<()> {
     )?;
     drop(broker);
     drop(postgres);
+    drop(rest);
     // The README's demo command, shortened: it checks exactly-once itself
     // and fails when the table does not hold every bid once. The tests
     // built the binary (the chaos test needs it) next to this one.

@@ -17,12 +17,14 @@ use tinyflow_connectors_iceberg::{
 /// `tinyflow inspect` options.
 #[derive(Debug, clap::Args)]
 pub(crate) struct InspectArgs {
-    /// A sqlite catalog's directory (holding catalog.db and warehouse/), or
-    /// a SQL catalog URI (`postgres://...`, `sqlite:...`; then --warehouse).
+    /// A sqlite catalog's directory (holding catalog.db and warehouse/), a
+    /// SQL catalog URI (`postgres://...`, `sqlite:...`; then --warehouse),
+    /// or a REST catalog server's `http(s)://host:port`.
     catalog: String,
     /// The table, `namespace.table`.
     table: String,
-    /// The warehouse of a catalog given by URI.
+    /// The warehouse of a SQL catalog given by URI (for a REST catalog: the
+    /// warehouse to ask the server for, if it serves several).
     #[arg(long)]
     warehouse: Option<String>,
     /// The catalog's name (default tinyflow).
@@ -31,6 +33,14 @@ pub(crate) struct InspectArgs {
 }
 
 fn catalog_config(args: &InspectArgs) -> anyhow::Result<CatalogConfig> {
+    if args.catalog.starts_with("http://") || args.catalog.starts_with("https://") {
+        return Ok(CatalogConfig::Rest {
+            name: args.catalog_name.clone(),
+            uri: args.catalog.clone(),
+            warehouse: args.warehouse.clone(),
+            properties: HashMap::new(),
+        });
+    }
     if args.catalog.contains("://") || args.catalog.starts_with("sqlite:") {
         let warehouse = args
             .warehouse

@@ -184,19 +184,23 @@ fn yes() -> bool {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CatalogSection {
-    /// `sqlite` (catalog and warehouse in `dir`) or `sql` (any SQL catalog
-    /// URI, e.g. Postgres, with a `warehouse`).
+    /// `sqlite` (catalog and warehouse in `dir`), `sql` (any SQL catalog
+    /// URI, e.g. Postgres, with a `warehouse`) or `rest` (an Iceberg REST
+    /// catalog server at `uri`).
     #[serde(rename = "type")]
     pub kind: String,
     /// `sqlite`: the directory holding `catalog.db` and `warehouse/`.
     pub dir: Option<String>,
-    /// `sql`: `postgres://user:password@host/db` or `sqlite:<path>`.
+    /// `sql`: `postgres://user:password@host/db` or `sqlite:<path>`;
+    /// `rest`: the server's base URI, `http://host:8181`.
     pub uri: Option<String>,
-    /// `sql`: where table data lives (`file:///...`).
+    /// `sql`: where table data lives (`file:///...`); `rest` (optional): the
+    /// warehouse to ask the server for.
     pub warehouse: Option<String>,
     /// The catalog's name (default `tinyflow`); readers must use the same.
     pub name: Option<String>,
-    /// Further catalog properties.
+    /// Further catalog properties (for `rest`: `credential`, `token`,
+    /// `prefix`, `header.<name>`).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
 }

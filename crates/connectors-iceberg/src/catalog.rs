@@ -13,6 +13,9 @@ use iceberg::{
     Catalog, CatalogBuilder, ErrorKind, Namespace, NamespaceIdent, TableCommit, TableCreation,
     TableIdent,
 };
+use iceberg_catalog_rest::{
+    REST_CATALOG_PROP_URI, REST_CATALOG_PROP_WAREHOUSE, RestCatalogBuilder,
+};
 use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
 use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
@@ -68,7 +71,7 @@ pub async fn open_catalog(
 
 async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
     let storage = Arc::new(iceberg::io::LocalFsStorageFactory);
-    if let Some(dir) = config.warehouse().strip_prefix("file://") {
+    if let Some(dir) = config.warehouse().and_then(|w| w.strip_prefix("file://")) {
         std::fs::create_dir_all(dir).map_err(|source| StreamError::Io {
             action: "creating the warehouse directory",
             path: dir.into(),
@@ -108,6 +111,32 @@ async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
                 .load(name.clone(), HashMap::new())
                 .await
                 .map(|c| Arc::new(c) as Arc<dyn Catalog>)
+        }
+        CatalogConfig::Rest {
+            name,
+            uri,
+            warehouse,
+            properties,
+        } => {
+            let mut props = properties.clone();
+            props.insert(REST_CATALOG_PROP_URI.to_owned(), uri.clone());
+            if let Some(warehouse) = warehouse {
+                props.insert(REST_CATALOG_PROP_WAREHOUSE.to_owned(), warehouse.clone());
+            }
+            let catalog = RestCatalogBuilder::default()
+                .with_storage_factory(storage)
+                .load(name.clone(), props)
+                .await;
+            // The builder only checks its arguments; a first request shows
+            // whether the server answers, so an unreachable catalog fails at
+            // start rather than at the first commit.
+            match catalog {
+                Ok(catalog) => catalog
+                    .list_namespaces(None)
+                    .await
+                    .map(|_| Arc::new(catalog) as Arc<dyn Catalog>),
+                Err(e) => Err(e),
+            }
         }
         CatalogConfig::Memory { name, warehouse } => {
             iceberg::memory::MemoryCatalogBuilder::default()

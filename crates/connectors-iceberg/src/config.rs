@@ -27,6 +27,21 @@ pub enum CatalogConfig {
         /// Further catalog properties, passed through.
         properties: HashMap<String, String>,
     },
+    /// An Iceberg REST catalog server (Apache Polaris, Lakekeeper, Gravitino,
+    /// a cloud's REST endpoint, Iceberg's own `RESTCatalogServer`).
+    Rest {
+        /// The catalog's name, as this process calls it (the server does not
+        /// see it).
+        name: String,
+        /// The server's base URI, e.g. `http://localhost:8181`.
+        uri: String,
+        /// The warehouse to ask the server for, when it serves several; the
+        /// server chooses table locations.
+        warehouse: Option<String>,
+        /// Further REST client properties, passed through: `prefix`,
+        /// `credential` or `token` for OAuth2, `header.<name>` for headers.
+        properties: HashMap<String, String>,
+    },
     /// An in-memory catalog: tables vanish with the process (tests only).
     Memory {
         /// The catalog's name.
@@ -51,16 +66,20 @@ impl CatalogConfig {
     /// The catalog's name.
     pub fn name(&self) -> &str {
         match self {
-            CatalogConfig::Sql { name, .. } | CatalogConfig::Memory { name, .. } => name,
+            CatalogConfig::Sql { name, .. }
+            | CatalogConfig::Rest { name, .. }
+            | CatalogConfig::Memory { name, .. } => name,
         }
     }
 
-    /// The warehouse location.
-    pub fn warehouse(&self) -> &str {
+    /// The warehouse location or name, when this configuration gives one (a
+    /// REST server may choose it).
+    pub fn warehouse(&self) -> Option<&str> {
         match self {
             CatalogConfig::Sql { warehouse, .. } | CatalogConfig::Memory { warehouse, .. } => {
-                warehouse
+                Some(warehouse)
             }
+            CatalogConfig::Rest { warehouse, .. } => warehouse.as_deref(),
         }
     }
 
@@ -69,6 +88,9 @@ impl CatalogConfig {
         match self {
             CatalogConfig::Sql { name, uri, .. } => {
                 format!("sql catalog {name} at {}", redact(uri))
+            }
+            CatalogConfig::Rest { name, uri, .. } => {
+                format!("REST catalog {name} at {}", redact(uri))
             }
             CatalogConfig::Memory { name, .. } => format!("memory catalog {name}"),
         }
@@ -85,23 +107,25 @@ impl fmt::Debug for CatalogConfig {
                 uri,
                 warehouse,
                 properties,
-            } => {
-                let props: HashMap<&str, &str> = properties
-                    .iter()
-                    .map(|(k, v)| {
-                        let secret = ["password", "secret", "token", "key", "credential"]
-                            .iter()
-                            .any(|s| k.to_ascii_lowercase().contains(s));
-                        (k.as_str(), if secret { "***" } else { v.as_str() })
-                    })
-                    .collect();
-                f.debug_struct("Sql")
-                    .field("name", name)
-                    .field("uri", &redact(uri))
-                    .field("warehouse", warehouse)
-                    .field("properties", &props)
-                    .finish()
-            }
+            } => f
+                .debug_struct("Sql")
+                .field("name", name)
+                .field("uri", &redact(uri))
+                .field("warehouse", warehouse)
+                .field("properties", &redact_properties(properties))
+                .finish(),
+            CatalogConfig::Rest {
+                name,
+                uri,
+                warehouse,
+                properties,
+            } => f
+                .debug_struct("Rest")
+                .field("name", name)
+                .field("uri", &redact(uri))
+                .field("warehouse", warehouse)
+                .field("properties", &redact_properties(properties))
+                .finish(),
             CatalogConfig::Memory { name, warehouse } => f
                 .debug_struct("Memory")
                 .field("name", name)
@@ -109,6 +133,19 @@ impl fmt::Debug for CatalogConfig {
                 .finish(),
         }
     }
+}
+
+/// Properties with every value whose key looks like a credential replaced.
+fn redact_properties(properties: &HashMap<String, String>) -> HashMap<&str, &str> {
+    properties
+        .iter()
+        .map(|(k, v)| {
+            let secret = ["password", "secret", "token", "key", "credential"]
+                .iter()
+                .any(|s| k.to_ascii_lowercase().contains(s));
+            (k.as_str(), if secret { "***" } else { v.as_str() })
+        })
+        .collect()
 }
 
 /// `scheme://user:password@host` -> `scheme://user:***@host`.
@@ -638,6 +675,18 @@ mod tests {
         let shown = format!("{c:?} {}", c.describe());
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("postgres://tf:***@db:5432/cat"), "{shown}");
+        let rest = CatalogConfig::Rest {
+            name: "r".to_owned(),
+            uri: "https://polaris.example:8181/api/catalog".to_owned(),
+            warehouse: None,
+            properties: HashMap::from([("credential".to_owned(), "client:hunter2".to_owned())]),
+        };
+        let shown = format!("{rest:?} {}", rest.describe());
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(
+            shown.contains("REST catalog r at https://polaris"),
+            "{shown}"
+        );
     }
 
     #[test]
