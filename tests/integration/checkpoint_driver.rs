@@ -372,3 +372,55 @@ async fn nothing_triggers_or_finishes_before_the_start_signal() {
     assert!(last > id);
     h.shutdown().await.unwrap();
 }
+
+/// A stop request (what `tinyflow run` does on SIGTERM) takes a final
+/// checkpoint at once, off the grid, while the sources still read; the job
+/// finishes only after it is durable and every task was notified, so sinks
+/// commit everything up to it before the process exits.
+#[tokio::test(start_paused = true)]
+async fn a_stop_request_finishes_the_job_with_a_final_checkpoint() {
+    let specs = [
+        TaskSpec::new(0, TaskRole::Source),
+        TaskSpec::new(1, TaskRole::Committer),
+    ];
+    let (mut h, store) = Harness::with_memory(every(10_000), &specs).await;
+    let first = h.expect_trigger(0, ms(10_000)).await;
+    assert_eq!(h.expect_trigger(1, ms(1)).await, first);
+    h.ack(0, first, b"s1").await;
+    h.ack(1, first, b"c1").await;
+    for task in 0..2 {
+        assert_eq!(
+            h.expect(task, ms(1)).await,
+            ToTask::NotifyComplete { id: first }
+        );
+    }
+    tokio::time::sleep(ms(2_500)).await;
+    h.request_stop();
+    let last = h.expect_trigger(0, ms(1)).await;
+    assert_eq!(
+        h.elapsed(),
+        ms(12_500),
+        "triggered at once, not on the grid"
+    );
+    assert_eq!(h.expect_trigger(1, ms(1)).await, last);
+    // Until it completes the job runs on: no outcome yet.
+    h.expect_silence(0, ms(5_000)).await;
+    assert!(!h.job.is_finished());
+    h.ack(0, last, b"s2").await;
+    h.ack(1, last, b"c2").await;
+    for task in 0..2 {
+        assert_eq!(
+            h.expect(task, ms(1)).await,
+            ToTask::NotifyComplete { id: last }
+        );
+    }
+    assert_eq!(
+        h.outcome().await.unwrap(),
+        Outcome::Finished {
+            final_checkpoint: Some(last)
+        }
+    );
+    let stored = store.get(last).expect("final checkpoint durable");
+    assert!(stored.is_final);
+    assert_eq!(store.persisted_ids(), vec![first, last]);
+}

@@ -2,7 +2,7 @@
 //!
 //! Generated sequences of events (ticks after random pauses, registrations,
 //! acks for live, stale and future checkpoints, duplicate acks, declines, lost
-//! and failed tasks, end of input, store successes and failures) drive the
+//! and failed tasks, end of input, stop requests, store successes and failures) drive the
 //! real [`Coordinator`] while a small reference model follows along. After
 //! every step the model checks the actions against the exactly-once contract
 //! (`shared/design/exactly-once.md`):
@@ -61,6 +61,8 @@ enum Op {
     ChannelClosed(u32),
     PersistOk(u8),
     PersistFail(u8),
+    /// A stop request (SIGTERM to `tinyflow run`).
+    Stop,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -80,6 +82,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => task.prop_map(Op::ChannelClosed),
         30 => any::<u8>().prop_map(Op::PersistOk),
         4 => any::<u8>().prop_map(Op::PersistFail),
+        1 => Just(Op::Stop),
     ]
 }
 
@@ -141,6 +144,7 @@ struct Model {
     /// The checkpoint whose write failed in this step.
     store_failed: Option<CheckpointId>,
     finishing: bool,
+    stop_requested: bool,
     ended: bool,
 }
 
@@ -160,6 +164,7 @@ impl Model {
             failures: 0,
             store_failed: None,
             finishing: false,
+            stop_requested: false,
             ended: false,
         }
     }
@@ -182,6 +187,11 @@ impl Model {
             .filter(|(r, _)| *r == TaskRole::Source)
             .peekable();
         sources.peek().is_some() && sources.all(|(_, eoi)| *eoi)
+    }
+
+    /// The job is to end: every source ended, or a stop was requested.
+    fn ending(&self) -> bool {
+        self.stop_requested || self.sources_done()
     }
 }
 
@@ -259,6 +269,7 @@ impl Run<'_> {
                 task: TaskId::new(t),
             }),
             Op::AckAll(_) => return None,
+            Op::Stop => Event::Stop,
             Op::Failed(t) => Event::Task(FromTask::Failed {
                 task: TaskId::new(t),
                 message: "boom".into(),
@@ -341,6 +352,10 @@ impl Run<'_> {
                 }
                 ExpectFail::No
             }
+            Event::Stop => {
+                m.stop_requested = true;
+                ExpectFail::No
+            }
             Event::Tick | Event::Start | Event::Task(FromTask::Decline { .. }) => ExpectFail::No,
         };
         (expect, durable)
@@ -376,7 +391,7 @@ impl Run<'_> {
 
     fn step_event(&mut self, event: Event) -> Result<(), TestCaseError> {
         let (expect_fail, durable) = self.model_input(&event);
-        if self.model.cfg.interval.is_some() && !self.model.finishing && self.model.sources_done() {
+        if self.model.cfg.interval.is_some() && !self.model.finishing && self.model.ending() {
             self.model.finishing = true;
             self.model.due = true;
         }
@@ -631,7 +646,7 @@ impl Run<'_> {
         }
         // Checkpointing off: the job ends when every source ended.
         if self.model.cfg.interval.is_none()
-            && self.model.sources_done()
+            && self.model.ending()
             && failed.is_none()
             && !self.model.ended
         {

@@ -33,9 +33,9 @@ use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault,
     FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID,
-    SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id, scan_longs,
+    SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id, open_catalog, scan_longs,
 };
-use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 use tinyflow_tests::ms;
 
 const NS: &str = "db";
@@ -403,7 +403,40 @@ async fn the_commit_path_holds_on_the_memory_catalog_too() {
 #[tokio::test]
 async fn a_crash_during_the_retry_after_a_conflict_then_recovery_commits_once() {
     let dir = tempfile::tempdir().unwrap();
-    let mut other = Driver::new(config(dir.path(), "other")).await;
+    crash_during_the_retry_after_a_conflict(CatalogConfig::sqlite(dir.path())).await;
+}
+
+/// The same through the REST catalog server: there the conflict is the
+/// server refusing the commit's requirements (HTTP 409).
+#[tokio::test]
+async fn a_crash_during_the_retry_after_a_rest_conflict_then_recovery_commits_once() {
+    let _serial = REST_TABLE.lock().await;
+    crash_during_the_retry_after_a_conflict(fresh_rest_catalog().await).await;
+}
+
+/// The REST tests share one server and this module's table name: one at a
+/// time.
+static REST_TABLE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The REST catalog server of the tests, without this module's table (the
+/// server outlives test runs).
+async fn fresh_rest_catalog() -> CatalogConfig {
+    let catalog = CatalogConfig::Rest {
+        name: "rest".into(),
+        uri: tinyflow_tests::rest_catalog_url(),
+        warehouse: None,
+        properties: Default::default(),
+    };
+    let opened = open_catalog(&catalog, ms(10_000)).await.unwrap();
+    let ident = iceberg::TableIdent::from_strs([NS, TABLE]).unwrap();
+    if opened.table_exists(&ident).await.unwrap() {
+        opened.drop_table(&ident).await.unwrap();
+    }
+    catalog
+}
+
+async fn crash_during_the_retry_after_a_conflict(catalog: CatalogConfig) {
+    let mut other = Driver::new(config_on(catalog.clone(), "other")).await;
     other.checkpoint(1, 1_000..1_010).await;
     let other = Arc::new(tokio::sync::Mutex::new(other));
 
@@ -423,7 +456,7 @@ async fn a_crash_during_the_retry_after_a_conflict_then_recovery_commits_once() 
             fault.await
         })
     });
-    let mut c = config(dir.path(), "s");
+    let mut c = config_on(catalog, "s");
     c.fault_hook = Some(interfere);
     let mut d = Driver::new(c).await;
     d.checkpoint(1, 0..100).await;
@@ -897,6 +930,69 @@ fn batches(partitions: usize, per: usize, rows: i64, offset: i64) -> Vec<Vec<Rec
         .collect()
 }
 
+/// A job stopped on request (what `tinyflow run` does on SIGTERM), whose
+/// commit cadence holds commits back for 1000 checkpoints: the final
+/// checkpoint is committed anyway, so the table holds exactly what the
+/// source read up to it; the next run commits the rest, each row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_job_commits_what_its_cadence_held_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(MemoryCheckpointStore::new());
+    let catalog = CatalogConfig::sqlite(dir.path());
+    let runner = |stop: StopHandle| {
+        let job = JobBuilder::new(JobId::new("iceberg-stop").unwrap());
+        // 2 partitions of 100 batches of 10 rows, 10 ms apart: 1 s of input.
+        let stream = job.source(
+            "batches",
+            2,
+            VecSource::new(batches(2, 100, 10, 0))
+                .batch_size(1)
+                .pause(ms(10)),
+        );
+        let mut c = config_on(catalog.clone(), "stop");
+        c.cadence = CommitCadence {
+            every_checkpoints: Some(1_000),
+            ..CommitCadence::default()
+        };
+        IcebergSink::new(c).unwrap().attach(stream, "events", 2);
+        let config = RuntimeConfig {
+            checkpoint: CheckpointConfig {
+                interval: Some(ms(50)),
+                timeout: ms(20_000),
+                ..CheckpointConfig::default()
+            },
+            ..RuntimeConfig::default()
+        };
+        JobRunner::new(job.build().unwrap(), store.clone(), config).with_stop(stop)
+    };
+    let stop = StopHandle::new();
+    let first = runner(stop.clone());
+    let run = tokio::spawn(async move { first.run().await });
+    tokio::time::sleep(ms(400)).await;
+    stop.stop();
+    let report = run.await.unwrap().unwrap();
+    let last = report.final_checkpoint.unwrap();
+    let sink = IcebergSink::new(config_on(catalog.clone(), "stop")).unwrap();
+    let table = sink.load_table().await.unwrap();
+    assert_eq!(committed_id(&table, "stop"), Some(last.get()));
+    assert_eq!(
+        snapshots(&table),
+        1,
+        "one commit: the cadence held the rest"
+    );
+    let ids_then = ids(&table).await;
+    let n = ids_then.len();
+    assert!((1..2_000).contains(&n), "{n} rows after the stop");
+    let mut unique = ids_then.clone();
+    unique.dedup();
+    assert_eq!(unique.len(), n, "no row twice");
+
+    let report = runner(StopHandle::new()).run().await.unwrap();
+    assert!(report.final_checkpoint.unwrap() > last);
+    let table = sink.load_table().await.unwrap();
+    assert_eq!(ids(&table).await, range(0..2_000));
+}
+
 /// [`jobs_with_failures_then_a_wiped_store`] on the embedded sqlite catalog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_with_failures_leave_every_record_once_as_pyiceberg_reads_it() {
@@ -922,6 +1018,41 @@ async fn jobs_with_failures_leave_every_record_once_on_a_postgres_catalog() {
         properties: Default::default(),
     };
     jobs_with_failures_then_a_wiped_store(catalog).await;
+}
+
+/// The same through Apache Iceberg's REST catalog server (a real server,
+/// which `cargo xtask ci` starts): the commit's requirements are checked by
+/// the server, and pyiceberg reads the table through the same server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_failures_leave_every_record_once_on_a_rest_catalog() {
+    let _serial = REST_TABLE.lock().await;
+    jobs_with_failures_then_a_wiped_store(fresh_rest_catalog().await).await;
+}
+
+#[tokio::test]
+async fn an_unreachable_rest_catalog_is_a_clear_error() {
+    let mut c = IcebergSinkConfig::new(
+        CatalogConfig::Rest {
+            name: "c".into(),
+            uri: "http://127.0.0.1:1/catalog".into(),
+            warehouse: None,
+            properties: [("token".to_owned(), "secret".to_owned())].into(),
+        },
+        NS,
+        TABLE,
+        "s",
+    );
+    c.connect_timeout = ms(2_000);
+    let err = IcebergSink::new(c)
+        .unwrap()
+        .load_table()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("REST catalog c at http://127.0.0.1:1/catalog") && !err.contains("secret"),
+        "{err}"
+    );
 }
 
 /// A whole job with failures at random moments (panics in an operator and

@@ -16,7 +16,7 @@ use proptest::test_runner::Config;
 use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
 use tinyflow_api::{JobBuilder, JobId};
 use tinyflow_checkpoint::CheckpointConfig;
-use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 use tinyflow_tests::ms;
 use tokio::time::Instant;
 
@@ -760,4 +760,62 @@ async fn writer_stages_flush_ahead_of_the_barrier_and_commit_exactly_once() {
             "failures were injected at {at_record:?}"
         );
     }
+}
+
+/// A stop request ends a job that still has input with a final checkpoint:
+/// the sink committed exactly what the sources read up to it, and a second
+/// run over the same store goes on from there to the end, with nothing lost
+/// or written twice.
+#[tokio::test(start_paused = true)]
+async fn a_stopped_job_commits_up_to_its_final_checkpoint_and_the_next_run_goes_on() {
+    let sink = CollectingSink::<u64>::new();
+    let store = Arc::new(MemoryCheckpointStore::new());
+    let build = || {
+        let job = JobBuilder::new(JobId::new("stopped").unwrap());
+        job.source(
+            "numbers",
+            2,
+            VecSource::new(partitions(2, 1_000))
+                .batch_size(5)
+                .pause(ms(10)),
+        )
+        .map("inc", |n: u64| n + 1)
+        .rebalance()
+        .sink("out", 2, sink.clone());
+        job.build().unwrap()
+    };
+    // 200 batches of 5 per partition, 10 ms apart: 2 s of input.
+    let stop = StopHandle::new();
+    let runner = JobRunner::new(build(), store.clone(), config(100)).with_stop(stop.clone());
+    let run = tokio::spawn(async move { runner.run().await });
+    tokio::time::sleep(ms(650)).await;
+    stop.stop();
+    let report = run.await.unwrap().unwrap();
+    let last = report.final_checkpoint.expect("a final checkpoint");
+    assert!(store.get(last).unwrap().is_final);
+    let mut first = sink.committed();
+    first.sort_unstable();
+    let n = first.len();
+    assert!(
+        (100..1_800).contains(&n),
+        "about 650 ms of 2 s of input committed, got {n} records"
+    );
+    // A prefix of each partition, each record once.
+    let expected: Vec<u64> = first.iter().map(|v| v - 1).collect();
+    let per_partition: Vec<usize> = (0..2)
+        .map(|p| expected.iter().filter(|v| **v / 1_000 == p).count())
+        .collect();
+    let prefixes: Vec<u64> = (0..2u64)
+        .flat_map(|p| p * 1_000..p * 1_000 + per_partition[p as usize] as u64)
+        .collect();
+    assert_eq!(expected, prefixes, "committed a prefix of each partition");
+
+    let report = JobRunner::new(build(), store.clone(), config(100))
+        .run()
+        .await
+        .unwrap();
+    assert!(report.final_checkpoint.unwrap() > last);
+    let mut all = sink.committed();
+    all.sort_unstable();
+    assert_eq!(all, (1..=2_000).collect::<Vec<u64>>());
 }

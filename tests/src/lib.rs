@@ -106,6 +106,7 @@ pub struct Harness {
     /// What the driver found in the store at start.
     pub restored: Restored,
     shutdown: Option<oneshot::Sender<()>>,
+    stop: Option<oneshot::Sender<()>>,
 }
 
 impl Harness {
@@ -134,17 +135,27 @@ impl Harness {
                 },
             );
         }
+        let (shutdown, shut) = oneshot::channel::<()>();
         let (stop, stopped) = oneshot::channel::<()>();
-        let job = tokio::spawn(driver.run(async move {
-            let _ = stopped.await;
-        }));
+        let job = tokio::spawn(driver.run_until_stopped(
+            async move {
+                let _ = shut.await;
+            },
+            async move {
+                // A dropped sender (the harness gone) is no stop request.
+                if stopped.await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            },
+        ));
         Ok(Harness {
             handle,
             job,
             tasks,
             start,
             restored,
-            shutdown: Some(stop),
+            shutdown: Some(shutdown),
+            stop: Some(stop),
         })
     }
 
@@ -231,6 +242,14 @@ impl Harness {
             .unwrap_or_else(|| panic!("{} has no receiver", tid(task)))
     }
 
+    /// Asks the job to stop with a final checkpoint (as `tinyflow run` does
+    /// on SIGTERM).
+    pub fn request_stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
     /// Stops the driver and returns how it ended.
     pub async fn shutdown(mut self) -> tinyflow_checkpoint::Result<Outcome> {
         if let Some(stop) = self.shutdown.take() {
@@ -241,9 +260,14 @@ impl Harness {
 
     /// Waits for the driver to end on its own.
     pub async fn outcome(self) -> tinyflow_checkpoint::Result<Outcome> {
-        let Harness { job, shutdown, .. } = self;
+        let Harness {
+            job,
+            shutdown,
+            stop,
+            ..
+        } = self;
         let outcome = job.await.expect("driver task did not panic");
-        drop(shutdown);
+        drop((shutdown, stop));
         outcome
     }
 }
@@ -315,34 +339,45 @@ pub fn pyiceberg_read(dir: &std::path::Path, table: &str, args: &[&str]) -> serd
 }
 
 /// pyiceberg's view of the table `table` (`namespace.name`) in a SQL
-/// catalog (sqlite or PostgreSQL), as `tests/python/read_table.py` prints
+/// catalog (sqlite or PostgreSQL) or a REST catalog, as `tests/python/read_table.py` prints
 /// it; `args` are its optional id and sum columns. The Python is
 /// `TINYFLOW_PYTHON`, or the venv `cargo xtask py-setup` makes.
 ///
 /// # Panics
-/// When pyiceberg cannot run or fails, or the catalog is not a SQL one:
+/// When pyiceberg cannot run or fails, or the catalog is an in-memory one:
 /// the tests that read tables back need it.
 pub fn pyiceberg_read_catalog(
     catalog: &tinyflow_connectors_iceberg::CatalogConfig,
     table: &str,
     args: &[&str],
 ) -> serde_json::Value {
-    let tinyflow_connectors_iceberg::CatalogConfig::Sql {
-        name,
-        uri,
-        warehouse,
-        ..
-    } = catalog
-    else {
-        panic!("pyiceberg reads SQL catalogs here, not {catalog:?}");
-    };
-    // sqlx URIs to SQLAlchemy's.
-    let uri = if let Some(path) = uri.strip_prefix("sqlite:") {
-        format!("sqlite:///{}", path.split('?').next().unwrap_or(path))
-    } else if let Some(rest) = uri.strip_prefix("postgres://") {
-        format!("postgresql+psycopg2://{rest}")
-    } else {
-        uri.clone()
+    use tinyflow_connectors_iceberg::CatalogConfig;
+    let (name, uri, warehouse) = match catalog {
+        // sqlx URIs to SQLAlchemy's.
+        CatalogConfig::Sql {
+            name,
+            uri,
+            warehouse,
+            ..
+        } => {
+            let uri = if let Some(path) = uri.strip_prefix("sqlite:") {
+                format!("sqlite:///{}", path.split('?').next().unwrap_or(path))
+            } else if let Some(rest) = uri.strip_prefix("postgres://") {
+                format!("postgresql+psycopg2://{rest}")
+            } else {
+                uri.clone()
+            };
+            (name, uri, warehouse.clone())
+        }
+        CatalogConfig::Rest {
+            name,
+            uri,
+            warehouse,
+            ..
+        } => (name, uri.clone(), warehouse.clone().unwrap_or_default()),
+        CatalogConfig::Memory { .. } => {
+            panic!("pyiceberg cannot read an in-memory catalog: {catalog:?}")
+        }
     };
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let py = std::env::var_os("TINYFLOW_PYTHON").map_or_else(
@@ -351,7 +386,7 @@ pub fn pyiceberg_read_catalog(
     );
     let out = std::process::Command::new(&py)
         .arg(root.join("python/read_table.py"))
-        .args([name, &uri, warehouse, table])
+        .args([name, &uri, &warehouse, table])
         .args(args)
         .output()
         .unwrap_or_else(|e| {
@@ -367,6 +402,21 @@ pub fn pyiceberg_read_catalog(
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("read_table.py prints one JSON object")
+}
+
+/// The Iceberg REST catalog server for the REST catalog tests, from
+/// `TINYFLOW_REST_CATALOG_URL` (`cargo xtask ci` starts one and sets it).
+///
+/// # Panics
+/// When it is not set: those tests need a real server.
+pub fn rest_catalog_url() -> String {
+    std::env::var("TINYFLOW_REST_CATALOG_URL").unwrap_or_else(|_| {
+        panic!(
+            "TINYFLOW_REST_CATALOG_URL is not set: these tests need an Iceberg REST catalog \
+             server. Run `cargo xtask ci` (it starts one), or `cargo xtask iceberg-rest start` \
+             and export the line it prints"
+        )
+    })
 }
 
 /// The PostgreSQL server for the SQL catalog tests, from

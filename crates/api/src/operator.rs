@@ -209,6 +209,15 @@ pub trait Sink<T: Data>: Send {
     /// the sources stood at that barrier, merged over every input (see
     /// [`Source::positions`]). The default ignores them.
     fn on_positions(&mut self, _id: CheckpointId, _positions: &JobPositions) {}
+
+    /// The job attempt ends without a failure of this task: no further
+    /// checkpoint will be notified, and every one passed to
+    /// [`Sink::commit`] is complete. A sink that holds commits back (a
+    /// commit cadence) commits them now, so a stopped job leaves everything
+    /// up to its final checkpoint visible. The default does nothing.
+    async fn job_finished(&mut self) -> StreamResult<()> {
+        Ok(())
+    }
 }
 
 /// What a restored sink gets: the checkpoint and every subtask's staged work.
@@ -361,6 +370,8 @@ pub trait ErasedSink: Send {
     fn on_watermark(&mut self, watermark: i64);
     /// See [`Sink::on_positions`].
     fn on_positions(&mut self, id: CheckpointId, positions: &JobPositions);
+    /// See [`Sink::job_finished`].
+    async fn job_finished(&mut self) -> StreamResult<()>;
 }
 
 /// [`SinkFactory`] with the record type erased.
@@ -446,6 +457,10 @@ impl<T: Data> ErasedSink for TypedSink<T> {
 
     fn on_positions(&mut self, id: CheckpointId, positions: &JobPositions) {
         self.inner.on_positions(id, positions);
+    }
+
+    async fn job_finished(&mut self) -> StreamResult<()> {
+        self.inner.job_finished().await
     }
 }
 

@@ -82,6 +82,12 @@ pub enum Event {
         /// The store's error.
         error: StreamError,
     },
+    /// Stop the job with a final checkpoint: it is taken now, as if every
+    /// source had ended, and the job finishes when it completes (sinks
+    /// commit it on its notify). Sources read on until then; what they read
+    /// after its barrier belongs to no completed checkpoint and is read
+    /// again by the next run.
+    Stop,
 }
 
 /// Something the driver must do.
@@ -169,6 +175,8 @@ pub struct Coordinator {
     phase: Phase,
     /// No trigger until [`Event::Start`].
     waiting_for_start: bool,
+    /// [`Event::Stop`] arrived: the next checkpoint is the final one.
+    stop_requested: bool,
     metrics: CoordinatorMetrics,
 }
 
@@ -224,6 +232,7 @@ impl Coordinator {
             consecutive_failures: 0,
             phase: Phase::Running,
             waiting_for_start: false,
+            stop_requested: false,
             metrics,
         }
     }
@@ -347,6 +356,13 @@ impl Coordinator {
                     self.next_slot = self.config.interval.map(|i| now.at + i);
                     tracing::debug!(job = %self.job_id, tasks = self.tasks.len(), "all tasks registered, checkpointing starts");
                     // Sources that ended while others were still registering.
+                    self.check_sources_done(now, out);
+                }
+            }
+            Event::Stop => {
+                if !self.stop_requested {
+                    self.stop_requested = true;
+                    tracing::info!(job = %self.job_id, phase = ?self.phase, "stop requested");
                     self.check_sources_done(now, out);
                 }
             }
@@ -544,18 +560,24 @@ impl Coordinator {
             .values()
             .filter(|t| t.role == TaskRole::Source)
             .peekable();
-        if sources.peek().is_none() || !sources.all(|t| t.end_of_input) {
+        let ended = sources.peek().is_some() && sources.all(|t| t.end_of_input);
+        if !ended && !self.stop_requested {
             return;
         }
+        let why = if ended {
+            "all sources ended"
+        } else {
+            "stop requested"
+        };
         if self.config.interval.is_none() {
             self.phase = Phase::Finished;
-            tracing::info!(job = %self.job_id, "all sources ended, checkpointing off: job finished");
+            tracing::info!(job = %self.job_id, why, "checkpointing off: job finished");
             out.push(Action::Finished {
                 final_checkpoint: None,
             });
             return;
         }
-        tracing::info!(job = %self.job_id, "all sources ended, taking the final checkpoint");
+        tracing::info!(job = %self.job_id, why, "taking the final checkpoint");
         self.phase = Phase::Finishing;
         self.trigger_due = true;
         self.maybe_trigger(now, out);

@@ -302,8 +302,22 @@ impl CoordinatorDriver {
     /// On [`Outcome::Finished`] every task still listening has received the
     /// final notify-complete. On error the job attempt failed; checkpoints in
     /// flight were aborted (tasks still listening are told, best effort).
-    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<Outcome> {
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<Outcome> {
+        self.run_until_stopped(shutdown, std::future::pending())
+            .await
+    }
+
+    /// Like [`run`](Self::run), and when `stop` completes the job stops with
+    /// a final checkpoint ([`Event::Stop`]): [`Outcome::Finished`] once it
+    /// completed and every task still listening was notified.
+    pub async fn run_until_stopped(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Outcome> {
         tokio::pin!(shutdown);
+        tokio::pin!(stop);
+        let mut stopping = false;
         let mut actions: Vec<Action> = Vec::new();
         loop {
             let deadline = self.core.next_deadline();
@@ -312,6 +326,10 @@ impl CoordinatorDriver {
                 () = &mut shutdown => {
                     tracing::info!(phase = ?self.core.phase(), in_flight = self.core.in_flight(), "coordinator shutting down");
                     return Ok(Outcome::Shutdown);
+                }
+                () = &mut stop, if !stopping => {
+                    stopping = true;
+                    Event::Stop
                 }
                 msg = self.inbound.recv() => match msg {
                     Some(Inbound::Register { task, role, channel }) => {

@@ -34,6 +34,7 @@ use tinyflow_cli::{
 };
 use tinyflow_connectors_iceberg::{TableReader, scan_longs, total_records};
 use tinyflow_connectors_kafka::EmbeddedKafka;
+use tinyflow_runtime::StopHandle;
 
 /// `tinyflow demo` options.
 #[derive(Debug, clap::Args)]
@@ -313,7 +314,8 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
         std::thread::spawn(move || produce(&bootstrap, rate, &stop, &produced))
     };
-    let job = tokio::spawn(plan.run());
+    let job_stop = StopHandle::new();
+    let job = tokio::spawn(plan.run_until_stopped(job_stop.clone()));
     let mut progress = Progress {
         handle,
         start: Instant::now(),
@@ -357,13 +359,18 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
     };
     let _ = writeln!(stderr);
-    job.abort();
-    let _ = job.await;
     if rows < total {
+        job.abort();
         bail!(
             "after 120 s the table holds {rows} of {total} produced bids; is the job stuck? (TINYFLOW_LOG=info shows why)"
         );
     }
+    // Stop as `tinyflow run` does on SIGTERM: a final checkpoint, committed.
+    job_stop.stop();
+    let stopped = match tokio::time::timeout(Duration::from_secs(60), job).await {
+        Ok(joined) => joined?.context("the demo job failed while stopping")?,
+        Err(_) => bail!("the demo job did not stop within 60 s of the stop request"),
+    };
     let table = reader.load().await?;
     let snapshots = table.metadata().snapshots().count();
     let elapsed = progress.start.elapsed().as_secs_f64();
@@ -377,8 +384,11 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let in_range = ids.first() == Some(&0) && ids.last().copied() == Some(total as i64 - 1);
     println!(
         "produced {total} bids; the table demo.bids holds {count} rows in {snapshots} snapshots \
-         ({:.0} bids/s end to end over {elapsed:.1} s)",
-        total as f64 / elapsed
+         ({:.0} bids/s end to end over {elapsed:.1} s); the job stopped with final checkpoint {}",
+        total as f64 / elapsed,
+        stopped
+            .final_checkpoint
+            .map_or_else(|| "none".to_owned(), |c| c.to_string())
     );
     if count == total && distinct == total && in_range {
         println!(

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use tinyflow_cli::{JobFile, install_metrics};
+use tinyflow_runtime::StopHandle;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -95,14 +96,31 @@ fn main() -> ExitCode {
                 init_tracing("info");
                 let plan = JobFile::load(&job).and_then(|f| f.plan())?;
                 install_metrics(plan.metrics_address)?;
+                let stop = StopHandle::new();
+                let run = plan.run_until_stopped(stop.clone());
+                tokio::pin!(run);
                 let report = tokio::select! {
-                    r = plan.run() => r?,
-                    _ = shutdown_signal() => {
-                        tracing::info!("stopping on a signal; the next run goes on from the last completed checkpoint");
-                        return Ok(());
+                    r = &mut run => r?,
+                    () = shutdown_signal() => {
+                        tracing::info!("stopping on a signal: taking a final checkpoint and committing it (a second signal stops at once)");
+                        stop.stop();
+                        tokio::select! {
+                            r = &mut run => r?,
+                            () = shutdown_signal() => {
+                                tracing::warn!("stopping at once on a second signal; the next run goes on from the last completed checkpoint");
+                                return Ok(());
+                            }
+                        }
                     }
                 };
-                tracing::info!(attempts = report.attempts, final_checkpoint = ?report.final_checkpoint, "job ended");
+                match report.final_checkpoint {
+                    Some(id) if stop.is_requested() => tracing::info!(
+                        attempts = report.attempts,
+                        final_checkpoint = %id,
+                        "stopped with a final checkpoint: the table holds everything read before it, and the next run goes on from it"
+                    ),
+                    _ => tracing::info!(attempts = report.attempts, final_checkpoint = ?report.final_checkpoint, "job ended"),
+                }
                 Ok(())
             }
             Command::Demo(args) => {

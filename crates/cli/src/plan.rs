@@ -20,7 +20,7 @@ use tinyflow_connectors_kafka::{
     BadRecordPolicy, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig, StartPosition,
     offsets_of_positions,
 };
-use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
 use crate::jobfile::{CatalogSection, JobFile, RestartSection, SourceSection};
 use crate::transform::{TransformFactory, Transforms};
@@ -174,8 +174,26 @@ fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobF
 fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
     let name = c.name.clone().unwrap_or_else(|| "tinyflow".to_owned());
     let properties: HashMap<String, String> = c.properties.clone().into_iter().collect();
+    let unused = |key: &str, given: bool, what: &str| {
+        if given {
+            Err(err(&format!("sink.catalog.{key}"), what.to_owned()))
+        } else {
+            Ok(())
+        }
+    };
+    let no_dir = || unused("dir", c.dir.is_some(), "only a sqlite catalog has `dir`");
     match c.kind.as_str() {
         "sqlite" => {
+            unused(
+                "uri",
+                c.uri.is_some(),
+                "a sqlite catalog takes `dir` only (for a URI use type = \"sql\")",
+            )?;
+            unused(
+                "warehouse",
+                c.warehouse.is_some(),
+                "a sqlite catalog keeps its warehouse in `dir` (for another use type = \"sql\")",
+            )?;
             let dir = c
                 .dir
                 .as_deref()
@@ -192,6 +210,7 @@ fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
             })
         }
         "sql" => {
+            no_dir()?;
             let uri = c
                 .uri
                 .clone()
@@ -207,9 +226,28 @@ fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
                 properties,
             })
         }
+        "rest" => {
+            no_dir()?;
+            let uri = c
+                .uri
+                .clone()
+                .ok_or_else(|| err("sink.catalog.uri", "a rest catalog needs `uri`"))?;
+            if !(uri.starts_with("http://") || uri.starts_with("https://")) {
+                return Err(err(
+                    "sink.catalog.uri",
+                    format!("`{uri}`: a rest catalog's uri starts with http:// or https://"),
+                ));
+            }
+            Ok(CatalogConfig::Rest {
+                name,
+                uri,
+                warehouse: c.warehouse.clone(),
+                properties,
+            })
+        }
         other => Err(err(
             "sink.catalog.type",
-            format!("`{other}`: expected sqlite or sql"),
+            format!("`{other}`: expected sqlite, sql or rest"),
         )),
     }
 }
@@ -573,6 +611,12 @@ impl JobPlan {
 
     /// Runs the job until it ends or fails past its restart strategy.
     pub async fn run(self) -> anyhow::Result<JobReport> {
+        self.run_until_stopped(StopHandle::new()).await
+    }
+
+    /// Like [`run`](Self::run); `stop` ends the job with a final checkpoint
+    /// that the sink commits (what `tinyflow run` does on SIGTERM).
+    pub async fn run_until_stopped(self, stop: StopHandle) -> anyhow::Result<JobReport> {
         let store = LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
             .await
             .map_err(|e| {
@@ -609,6 +653,7 @@ impl JobPlan {
                 .graph;
         }
         let report = JobRunner::new(graph, Arc::new(store), self.runtime)
+            .with_stop(stop)
             .run()
             .await?;
         Ok(report)
@@ -708,11 +753,50 @@ mod tests {
             ),
             (
                 ("type = \"sqlite\"", "type = \"hive\""),
-                "sink.catalog.type: `hive`: expected sqlite or sql",
+                "sink.catalog.type: `hive`: expected sqlite, sql or rest",
+            ),
+            (
+                ("type = \"sqlite\"", "type = \"rest\""),
+                "sink.catalog.dir: only a sqlite catalog has `dir`",
+            ),
+            (
+                ("dir = \"tinyflow-data\"\n", "warehouse = \"file:///w\"\n"),
+                "sink.catalog.warehouse: a sqlite catalog keeps its warehouse in `dir`",
             ),
         ] {
             let err = plan_error(|t| t.replacen(edit.0, edit.1, 1));
             assert!(err.starts_with(want), "{edit:?}: got {err}");
         }
+        let rest = |t: &str, uri: &str| {
+            t.replacen("type = \"sqlite\"", "type = \"rest\"", 1)
+                .replacen(
+                    "dir = \"tinyflow-data\"\n",
+                    &format!("uri = \"{uri}\"\n"),
+                    1,
+                )
+        };
+        let err = plan_error(|t| rest(t, "").replacen("uri = \"\"\n", "", 1));
+        assert!(
+            err.starts_with("sink.catalog.uri: a rest catalog needs `uri`"),
+            "{err}"
+        );
+        let err = plan_error(|t| rest(t, "localhost:8181"));
+        assert!(
+            err.starts_with(
+                "sink.catalog.uri: `localhost:8181`: a rest catalog's uri starts with http://"
+            ),
+            "{err}"
+        );
+        let text = rest(EXAMPLE, "http://127.0.0.1:8181");
+        let plan = JobFile::parse(&text, "job.toml").unwrap().plan().unwrap();
+        assert!(
+            matches!(
+                &plan.sink.catalog,
+                tinyflow_connectors_iceberg::CatalogConfig::Rest { uri, warehouse: None, .. }
+                    if uri == "http://127.0.0.1:8181"
+            ),
+            "{:?}",
+            plan.sink.catalog
+        );
     }
 }

@@ -4,7 +4,9 @@
 //! moments, and inside commits: just before and just after the catalog
 //! update) and restarted; the broker itself is killed and restarted once
 //! mid-run, and once the checkpoint directory is wiped between two runs (the
-//! next run starts where the table's data ends). At the end pyiceberg reads
+//! next run starts where the table's data ends); one run ends with SIGTERM
+//! instead, and stops with a final checkpoint that its last commit carries.
+//! At the end pyiceberg reads
 //! the table: N rows, N distinct ids, and sums of ids and prices equal to
 //! what was produced.
 //!
@@ -144,6 +146,43 @@ impl Run {
         }
     }
 
+    /// SIGTERM: the job stops with a final checkpoint and exits by itself.
+    /// Returns that checkpoint, as the log reports it.
+    fn stop(mut self) -> u64 {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -TERM failed");
+        const MARKER: &str = "stopped with a final checkpoint";
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut reported = None;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(MARKER) => reported = Some(line),
+                Ok(_) => {}
+                // The pipe closed: the process is gone.
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                    "tinyflow run did not stop within 60 s of SIGTERM; its log: {}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                ),
+            }
+        }
+        let status = self.child.wait().unwrap();
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        assert!(
+            status.success(),
+            "exit {status} after SIGTERM; its log: {log}"
+        );
+        let line = reported.unwrap_or_else(|| panic!("no `{MARKER}` line; log: {log}"));
+        line.split("final_checkpoint=")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|id| id.parse().ok())
+            .unwrap_or_else(|| panic!("no final_checkpoint=N in {line:?}"))
+    }
+
     /// SIGKILL, as a crash.
     fn kill(mut self) {
         self.child.kill().unwrap();
@@ -211,6 +250,13 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
     let mut rng = SplitMix64::new(0x00C0_FFEE ^ n);
     let mut in_commit = 0;
     let wiped_after = kills / 3;
+    // One run ends with SIGTERM rather than SIGKILL: it stops with a final
+    // checkpoint, which its last commit carries.
+    let stopped_at = (0..kills)
+        .rev()
+        .find(|k| k % 3 == 0 && *k != kills / 2 && *k != wiped_after + 1 && *k != wiped_after)
+        .unwrap();
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
     for k in 0..kills {
         let mut run = Run::start(&job, &dir, u32::try_from(k).unwrap());
         if k == wiped_after + 1 {
@@ -256,6 +302,33 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
             _ => std::thread::sleep(Duration::from_millis(200 + rng.below(1_800))),
         }
         run.assert_alive();
+        if k == stopped_at {
+            // Once the job reads and commits, so its final checkpoint has
+            // data (a checkpoint without data adds no snapshot).
+            assert!(
+                run.wait_for("CHAOS commit paused after", Duration::from_secs(60)),
+                "run {k}: no commit within 60 s"
+            );
+            let last = run.stop();
+            let table = TableReader::open(&catalog, "chaos", "bids")
+                .await
+                .unwrap()
+                .load()
+                .await
+                .unwrap();
+            let committed = table.metadata().current_snapshot().and_then(|s| {
+                s.summary()
+                    .additional_properties
+                    .get(tinyflow_connectors_iceberg::SUMMARY_CHECKPOINT_ID)
+                    .cloned()
+            });
+            assert_eq!(
+                committed,
+                Some(last.to_string()),
+                "run {k}: the table's last commit is not the final checkpoint"
+            );
+            continue;
+        }
         run.kill();
         if k == wiped_after {
             // Lost checkpoints: only the table knows where its data ends.
@@ -272,7 +345,6 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
     // The last run goes on until the table holds everything.
     let mut last = Run::start(&job, &dir, u32::try_from(kills).unwrap());
     let deadline = Instant::now() + Duration::from_secs(180);
-    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
     let table = TableReader::open(&catalog, "chaos", "bids").await.unwrap();
     loop {
         let rows = committed_rows(&table).await;

@@ -189,6 +189,8 @@ pub(crate) struct Committer {
     watermark: i64,
     /// Completed checkpoints not committed yet (for the cadence).
     uncommitted: u32,
+    /// The newest checkpoint notified complete in this attempt (0: none).
+    notified: u64,
     last_commit: Instant,
     /// Commits since snapshots were last expired.
     since_expiry: usize,
@@ -206,6 +208,7 @@ impl Committer {
             pending: BTreeMap::new(),
             watermark: i64::MIN,
             uncommitted: 0,
+            notified: 0,
             last_commit: Instant::now(),
             since_expiry: 0,
             commits: metrics::counter!("tinyflow_iceberg_commits_total", "sink" => sink.clone()),
@@ -476,6 +479,7 @@ impl Sink<DataFileMeta> for Committer {
     }
 
     async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {
+        self.notified = self.notified.max(id.get());
         self.uncommitted += 1;
         // After the end of input (the final watermark) every checkpoint
         // commits: the job is about to finish.
@@ -494,6 +498,15 @@ impl Sink<DataFileMeta> for Committer {
 
     fn on_watermark(&mut self, watermark: i64) {
         self.watermark = self.watermark.max(watermark);
+    }
+
+    async fn job_finished(&mut self) -> StreamResult<()> {
+        // Checkpoints the cadence held back: every notified one is complete.
+        if self.pending.range(..=self.notified).next().is_some() {
+            tracing::info!(sink = %self.table.label(), upto = self.notified, "the job ends: committing the checkpoints the commit cadence held back");
+            self.commit_upto(self.notified).await?;
+        }
+        Ok(())
     }
 
     fn on_positions(&mut self, _id: CheckpointId, positions: &JobPositions) {

@@ -6,7 +6,9 @@
 //! coordinator failure ends the attempt: every task is cancelled and joined,
 //! and the restart strategy decides whether and when the next attempt
 //! starts. A finished coordinator (final checkpoint durable and notified)
-//! ends the attempt successfully once every task has wound down.
+//! ends the attempt successfully once every task has wound down. A
+//! [`StopHandle`] finishes the job the same way on request: a final
+//! checkpoint at once, committed by the sinks, then the end.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use tinyflow_api::{
 use tinyflow_checkpoint::{
     CheckpointConfig, CoordinatorDriver, CoordinatorHandle, DriverConfig, Outcome,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::state::RestorePlan;
@@ -63,12 +65,55 @@ pub struct JobReport {
     pub final_checkpoint: Option<CheckpointId>,
 }
 
+/// Asks a running job to stop with a final checkpoint (Flink's "stop with
+/// savepoint"): the checkpoint is taken at once, the sinks commit it, and
+/// [`JobRunner::run`] returns with it as the final checkpoint. The next run
+/// restores it, so nothing is lost or written twice, and the table holds
+/// everything read up to the stop. Clones stop the same job.
+#[derive(Debug, Clone)]
+pub struct StopHandle {
+    requested: Arc<watch::Sender<bool>>,
+}
+
+impl Default for StopHandle {
+    fn default() -> Self {
+        StopHandle {
+            requested: Arc::new(watch::Sender::new(false)),
+        }
+    }
+}
+
+impl StopHandle {
+    /// A handle no one has used yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Requests the stop; later calls change nothing.
+    pub fn stop(&self) {
+        self.requested.send_replace(true);
+    }
+
+    /// Whether a stop was requested.
+    pub fn is_requested(&self) -> bool {
+        *self.requested.borrow()
+    }
+
+    /// Completes once a stop is requested.
+    async fn requested(&self) {
+        let mut rx = self.requested.subscribe();
+        // The sender lives in `self`, so the wait ends only by a request.
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+}
+
 /// Runs a [`JobGraph`] to completion with failover.
 pub struct JobRunner {
     graph: JobGraph,
     store: Arc<dyn CheckpointStore>,
     clock: Arc<dyn WallClock>,
     config: RuntimeConfig,
+    stop: StopHandle,
 }
 
 impl std::fmt::Debug for JobRunner {
@@ -88,7 +133,14 @@ impl JobRunner {
             store,
             clock: Arc::new(SystemWallClock),
             config,
+            stop: StopHandle::new(),
         }
+    }
+
+    /// Stops the job when `stop` is used (see [`StopHandle`]).
+    pub fn with_stop(mut self, stop: StopHandle) -> Self {
+        self.stop = stop;
+        self
     }
 
     /// Uses `clock` for checkpoint metadata timestamps.
@@ -133,7 +185,16 @@ impl JobRunner {
                 delay_ms = delay.as_millis() as u64,
                 "job attempt failed, restarting from the newest completed checkpoint"
             );
-            tokio::time::sleep(delay).await;
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = self.stop.requested() => {
+                    tracing::warn!(job = %self.graph.job_id, attempt, "stop requested while waiting to restart: the job ends failed, its data safe in its checkpoints");
+                    return Err(Error::JobFailed {
+                        attempts: attempt,
+                        cause: Box::new(cause),
+                    });
+                }
+            }
         }
     }
 
@@ -218,7 +279,7 @@ impl JobRunner {
         })?;
         drop(handle);
 
-        let run = driver.run(std::future::pending::<()>());
+        let run = driver.run_until_stopped(std::future::pending::<()>(), self.stop.requested());
         tokio::pin!(run);
         let ended = loop {
             tokio::select! {

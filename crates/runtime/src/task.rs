@@ -354,6 +354,15 @@ impl Chain {
         }
         Ok(())
     }
+
+    /// The coordinator is done with this task (its control channel closed
+    /// after the last notify): a sink commits what it held back.
+    async fn job_finished(&mut self) -> Result<(), TaskError> {
+        if let Some(s) = &mut self.sink {
+            s.sink.job_finished().await?;
+        }
+        Ok(())
+    }
 }
 
 /// How a task loop ends badly.
@@ -432,6 +441,7 @@ pub(crate) async fn run_source(
             },
         }
     }
+    chain.job_finished().await?;
     tracing::debug!(task = %io.label(), records_out = records, "source task done");
     Ok(())
 }
@@ -579,6 +589,7 @@ pub(crate) async fn run_consumer(mut io: TaskIo, mut chain: Chain) -> Result<(),
             },
         }
     }
+    chain.job_finished().await?;
     tracing::debug!(task = %io.label(), records_in, "task done");
     Ok(())
 }
