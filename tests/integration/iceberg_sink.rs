@@ -811,12 +811,7 @@ async fn an_unreachable_catalog_is_a_clear_error() {
         "s",
     );
     c.connect_timeout = ms(500);
-    let err = IcebergSink::new(c)
-        .unwrap()
-        .load_table()
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = load_error(c).await;
     assert!(
         err.contains("127.0.0.1:1") && !err.contains("secret"),
         "{err}"
@@ -1043,16 +1038,21 @@ async fn an_unreachable_rest_catalog_is_a_clear_error() {
         "s",
     );
     c.connect_timeout = ms(2_000);
-    let err = IcebergSink::new(c)
-        .unwrap()
-        .load_table()
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = load_error(c).await;
     assert!(
         err.contains("REST catalog c at http://127.0.0.1:1/catalog") && !err.contains("secret"),
         "{err}"
     );
+}
+
+/// Why loading the sink's table fails (it must).
+async fn load_error(config: IcebergSinkConfig) -> String {
+    IcebergSink::new(config)
+        .unwrap()
+        .load_table()
+        .await
+        .unwrap_err()
+        .to_string()
 }
 
 /// A whole job with failures at random moments (panics in an operator and

@@ -102,9 +102,9 @@ fn ci() -> Result<()> {
     // `broker` is dropped, also when a step fails.
     let broker = kafka::CiBroker::start()?;
     // The Iceberg SQL catalog on PostgreSQL, as in production.
-    let postgres = postgres::CiPostgres::start()?;
+    let postgres = postgres::ci_start()?;
     // Iceberg's REST catalog server, the other production catalog.
-    let rest = rest::CiRestCatalog::start()?;
+    let rest = rest::ci_start()?;
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
@@ -143,6 +143,81 @@ fn ci() -> Result<()> {
     // total rather than the last binary's count.
     println!("tests: {} passed, {} failed", counts.passed, counts.failed);
     Ok(())
+}
+
+/// `<command> [--port N]`: the command, and the port from `--port`, else
+/// the variable `env`, else `default`.
+pub(crate) fn command_and_port(
+    args: &[String],
+    env: &str,
+    default: u16,
+    usage: &str,
+) -> Result<(String, u16)> {
+    let mut command = None;
+    let mut port = std::env::var(env)
+        .ok()
+        .map(|p| p.trim().parse::<u16>())
+        .transpose()
+        .with_context(|| format!("{env}: expected a port number"))?
+        .unwrap_or(default);
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--port" {
+            port = it
+                .next()
+                .context("--port needs a number")?
+                .parse()
+                .context("--port: expected a port number")?;
+        } else if command.is_none() {
+            command = Some(arg.clone());
+        } else {
+            bail!("unexpected argument `{arg}`; {usage}");
+        }
+    }
+    Ok((command.context(usage.to_owned())?, port))
+}
+
+/// A server `cargo xtask ci` started for the tests, stopped when dropped
+/// (also when a step fails); or the one an environment variable names
+/// already, left alone.
+pub(crate) struct CiServer<S: CiStop> {
+    server: Option<S>,
+    /// What the tests get in that variable.
+    pub(crate) url: String,
+}
+
+/// How [`CiServer`] stops what it started.
+pub(crate) trait CiStop {
+    /// The xtask command's name, for messages.
+    const NAME: &'static str;
+    /// Stops the server and deletes what it kept.
+    fn stop_server(&self) -> Result<()>;
+}
+
+impl<S: CiStop> CiServer<S> {
+    /// The server `env` names, else the one `start` starts (returning its
+    /// URL and itself).
+    pub(crate) fn start(env: &str, start: impl FnOnce() -> Result<(String, S)>) -> Result<Self> {
+        if let Ok(url) = std::env::var(env) {
+            eprintln!("xtask {}: using {env}={url}", S::NAME);
+            return Ok(CiServer { server: None, url });
+        }
+        let (url, server) = start()?;
+        Ok(CiServer {
+            server: Some(server),
+            url,
+        })
+    }
+}
+
+impl<S: CiStop> Drop for CiServer<S> {
+    fn drop(&mut self) {
+        if let Some(server) = &self.server
+            && let Err(e) = server.stop_server()
+        {
+            eprintln!("xtask {}: stopping the server failed: {e:#}", S::NAME);
+        }
+    }
 }
 
 #[derive(Debug, Default)]

@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::{CiServer, CiStop};
+
 const DEFAULT_PORT: u16 = 55_432;
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -47,31 +49,12 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
 }
 
 fn parse_args(args: &[String]) -> Result<(String, u16)> {
-    let mut command = None;
-    let mut port = std::env::var("TINYFLOW_POSTGRES_PORT")
-        .ok()
-        .map(|p| p.parse::<u16>())
-        .transpose()
-        .context("TINYFLOW_POSTGRES_PORT: expected a port number")?
-        .unwrap_or(DEFAULT_PORT);
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if arg == "--port" {
-            port = it
-                .next()
-                .context("--port needs a number")?
-                .parse()
-                .context("--port: expected a port number")?;
-        } else if command.is_none() {
-            command = Some(arg.clone());
-        } else {
-            bail!(
-                "unexpected argument `{arg}`; usage: cargo xtask postgres start|stop|status [--port N]"
-            );
-        }
-    }
-    let command = command.context("usage: cargo xtask postgres start|stop|status [--port N]")?;
-    Ok((command, port))
+    crate::command_and_port(
+        args,
+        "TINYFLOW_POSTGRES_PORT",
+        DEFAULT_PORT,
+        "usage: cargo xtask postgres start|stop|status [--port N]",
+    )
 }
 
 /// One cluster of ours: its data directory and port.
@@ -233,36 +216,21 @@ impl Server {
     }
 }
 
-/// A server for `cargo xtask ci`, stopped when dropped; or the one
-/// `TINYFLOW_POSTGRES_URL` names already, left alone.
-pub(crate) struct CiPostgres {
-    server: Option<Server>,
-    pub(crate) url: String,
-}
-
-impl CiPostgres {
-    pub(crate) fn start() -> Result<Self> {
-        if let Ok(url) = std::env::var("TINYFLOW_POSTGRES_URL") {
-            eprintln!("xtask postgres: using TINYFLOW_POSTGRES_URL={url}");
-            return Ok(CiPostgres { server: None, url });
-        }
+/// A server for `cargo xtask ci` (see [`CiServer`]).
+pub(crate) fn ci_start() -> Result<CiServer<Server>> {
+    CiServer::start("TINYFLOW_POSTGRES_URL", || {
         let (_, port) = parse_args(&["start".to_owned()])?;
         let server = Server::new(port)?;
         server.start()?;
-        Ok(CiPostgres {
-            url: server.url(),
-            server: Some(server),
-        })
-    }
+        Ok((server.url(), server))
+    })
 }
 
-impl Drop for CiPostgres {
-    fn drop(&mut self) {
-        if let Some(server) = &self.server
-            && let Err(e) = server.stop()
-        {
-            eprintln!("xtask postgres: stopping the server failed: {e:#}");
-        }
+impl CiStop for Server {
+    const NAME: &'static str = "postgres";
+
+    fn stop_server(&self) -> Result<()> {
+        self.stop()
     }
 }
 

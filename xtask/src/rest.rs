@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::kafka::{forward_to_stderr, print_tail, signal, wait_with_progress};
+use crate::{CiServer, CiStop};
 
 const DEFAULT_PORT: u16 = 8181;
 const ARTIFACT: &str = "org.apache.iceberg:iceberg-open-api:1.10.0";
@@ -77,29 +78,12 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
 }
 
 fn parse_args(args: &[String]) -> Result<(String, u16)> {
-    let usage = "usage: cargo xtask iceberg-rest start|stop|status [--port N]";
-    let mut command = None;
-    let mut port = std::env::var("TINYFLOW_REST_PORT")
-        .ok()
-        .map(|p| p.trim().parse::<u16>())
-        .transpose()
-        .context("TINYFLOW_REST_PORT: expected a port number")?
-        .unwrap_or(DEFAULT_PORT);
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if arg == "--port" {
-            port = it
-                .next()
-                .context("--port needs a number")?
-                .parse()
-                .context("--port: expected a port number")?;
-        } else if command.is_none() {
-            command = Some(arg.clone());
-        } else {
-            bail!("unexpected argument `{arg}`; {usage}");
-        }
-    }
-    Ok((command.context(usage)?, port))
+    crate::command_and_port(
+        args,
+        "TINYFLOW_REST_PORT",
+        DEFAULT_PORT,
+        "usage: cargo xtask iceberg-rest start|stop|status [--port N]",
+    )
 }
 
 /// The server on one port: its jar and run directory.
@@ -359,35 +343,20 @@ fn is_server_alive(pid: u32) -> bool {
     })
 }
 
-/// A server for `cargo xtask ci`, stopped when dropped; or the one
-/// `TINYFLOW_REST_CATALOG_URL` names already, left alone.
-pub(crate) struct CiRestCatalog {
-    server: Option<Server>,
-    pub(crate) url: String,
-}
-
-impl CiRestCatalog {
-    pub(crate) fn start() -> Result<Self> {
-        if let Ok(url) = std::env::var("TINYFLOW_REST_CATALOG_URL") {
-            eprintln!("xtask iceberg-rest: using TINYFLOW_REST_CATALOG_URL={url}");
-            return Ok(CiRestCatalog { server: None, url });
-        }
+/// A server for `cargo xtask ci` (see [`CiServer`]).
+pub(crate) fn ci_start() -> Result<CiServer<Server>> {
+    CiServer::start("TINYFLOW_REST_CATALOG_URL", || {
         let (_, port) = parse_args(&["start".to_owned()])?;
         let server = Server::new(port)?;
         server.start()?;
-        Ok(CiRestCatalog {
-            url: server.url(),
-            server: Some(server),
-        })
-    }
+        Ok((server.url(), server))
+    })
 }
 
-impl Drop for CiRestCatalog {
-    fn drop(&mut self) {
-        if let Some(server) = &self.server
-            && let Err(e) = server.stop()
-        {
-            eprintln!("xtask iceberg-rest: stopping the server failed: {e:#}");
-        }
+impl CiStop for Server {
+    const NAME: &'static str = "iceberg-rest";
+
+    fn stop_server(&self) -> Result<()> {
+        self.stop()
     }
 }
