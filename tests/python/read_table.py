@@ -6,7 +6,9 @@ code, and prints what the tests check as one JSON object:
 URI is the SQL catalog's SQLAlchemy URI (`sqlite:///.../catalog.db`,
 `postgresql+psycopg2://user@host:port/db`), WAREHOUSE its warehouse; or URI
 is a REST catalog server's `http://host:port` (WAREHOUSE, when not empty,
-the warehouse to ask it for). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
+the warehouse to ask it for). The variable TINYFLOW_CATALOG_PROPERTIES, when
+set, holds further catalog properties as a JSON object (`s3.endpoint`,
+`s3.access-key-id`, ... for a warehouse on S3). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
 value_sum (the sum of SUM_COLUMN, when given),
 partitions (the distinct partition values of the data files, each
 {field: value as a string}, sorted), snapshots (each
@@ -14,6 +16,7 @@ snapshot's summary, oldest first), properties (the table's).
 """
 
 import json
+import os
 import sys
 
 from pyiceberg.catalog.rest import RestCatalog
@@ -24,11 +27,12 @@ def main() -> None:
     name, uri, warehouse, table_name = sys.argv[1:5]
     id_column = sys.argv[5] if len(sys.argv) > 5 else "id"
     sum_column = sys.argv[6] if len(sys.argv) > 6 else None
+    props = json.loads(os.environ.get("TINYFLOW_CATALOG_PROPERTIES") or "{}")
     if uri.startswith(("http://", "https://")):
-        props = {"uri": uri} | ({"warehouse": warehouse} if warehouse else {})
+        props |= {"uri": uri} | ({"warehouse": warehouse} if warehouse else {})
         catalog = RestCatalog(name, **props)
     else:
-        catalog = SqlCatalog(name, uri=uri, warehouse=warehouse)
+        catalog = SqlCatalog(name, uri=uri, warehouse=warehouse, **props)
     table = catalog.load_table(table_name)
     data = table.scan().to_arrow()
     ids = data.column(id_column).to_pylist() if data.num_rows else []

@@ -352,13 +352,13 @@ pub fn pyiceberg_read_catalog(
     args: &[&str],
 ) -> serde_json::Value {
     use tinyflow_connectors_iceberg::CatalogConfig;
-    let (name, uri, warehouse) = match catalog {
+    let (name, uri, warehouse, properties) = match catalog {
         // sqlx URIs to SQLAlchemy's.
         CatalogConfig::Sql {
             name,
             uri,
             warehouse,
-            ..
+            properties,
         } => {
             let uri = if let Some(path) = uri.strip_prefix("sqlite:") {
                 format!("sqlite:///{}", path.split('?').next().unwrap_or(path))
@@ -367,14 +367,19 @@ pub fn pyiceberg_read_catalog(
             } else {
                 uri.clone()
             };
-            (name, uri, warehouse.clone())
+            (name, uri, warehouse.clone(), properties)
         }
         CatalogConfig::Rest {
             name,
             uri,
             warehouse,
-            ..
-        } => (name, uri.clone(), warehouse.clone().unwrap_or_default()),
+            properties,
+        } => (
+            name,
+            uri.clone(),
+            warehouse.clone().unwrap_or_default(),
+            properties,
+        ),
         CatalogConfig::Memory { .. } => {
             panic!("pyiceberg cannot read an in-memory catalog: {catalog:?}")
         }
@@ -388,6 +393,12 @@ pub fn pyiceberg_read_catalog(
         .arg(root.join("python/read_table.py"))
         .args([name, &uri, &warehouse, table])
         .args(args)
+        // The catalog's further properties (`s3.*` for S3 storage): pyiceberg
+        // takes the same keys.
+        .env(
+            "TINYFLOW_CATALOG_PROPERTIES",
+            serde_json::to_string(properties).expect("properties are strings"),
+        )
         .output()
         .unwrap_or_else(|e| {
             panic!(
@@ -417,6 +428,56 @@ pub fn rest_catalog_url() -> String {
              and export the line it prints"
         )
     })
+}
+
+/// The S3 server for the tests of tables on S3 storage, from
+/// `TINYFLOW_S3_ENDPOINT` (`cargo xtask ci` starts one and sets it; `cargo
+/// xtask s3 start` makes the bucket `tinyflow` and accepts the keys
+/// [`S3_ACCESS_KEY`] and [`S3_SECRET_KEY`]).
+///
+/// # Panics
+/// When it is not set: those tests need a real server.
+pub fn s3_endpoint() -> String {
+    std::env::var("TINYFLOW_S3_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "TINYFLOW_S3_ENDPOINT is not set: these tests need an S3 server. Run `cargo xtask ci` \
+             (it starts one), or `cargo xtask s3 start` and export the line it prints"
+        )
+    })
+}
+
+/// The access key `cargo xtask s3` accepts.
+pub const S3_ACCESS_KEY: &str = "tinyflow";
+/// The secret key of [`S3_ACCESS_KEY`].
+pub const S3_SECRET_KEY: &str = "tinyflow-secret";
+
+/// A sqlite catalog in `dir` whose warehouse is a new prefix (the server
+/// outlives test runs) of the bucket `tinyflow` on the [`s3_endpoint`]
+/// server, with the `s3.*` properties to reach it.
+pub fn s3_catalog(dir: &std::path::Path) -> tinyflow_connectors_iceberg::CatalogConfig {
+    let tinyflow_connectors_iceberg::CatalogConfig::Sql { name, uri, .. } =
+        tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir)
+    else {
+        unreachable!("sqlite() is a SQL catalog")
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is past 1970")
+        .as_nanos();
+    tinyflow_connectors_iceberg::CatalogConfig::Sql {
+        name,
+        uri,
+        warehouse: format!("s3://tinyflow/test-{nanos}/warehouse"),
+        properties: [
+            ("s3.endpoint", s3_endpoint()),
+            ("s3.region", "us-east-1".to_owned()),
+            ("s3.access-key-id", S3_ACCESS_KEY.to_owned()),
+            ("s3.secret-access-key", S3_SECRET_KEY.to_owned()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect(),
+    }
 }
 
 /// The PostgreSQL server for the SQL catalog tests, from

@@ -12,6 +12,8 @@
 //!   loopback for the Iceberg SQL catalog tests (see `postgres.rs`).
 //! - `iceberg-rest start|stop|status`: Apache Iceberg's REST catalog server
 //!   on loopback for the REST catalog tests (see `rest.rs`).
+//! - `s3 start|stop|status`: an S3 server (S3Proxy) on loopback for the tests
+//!   of tables on S3 storage (see `s3.rs`).
 //! - `py-setup`: pyiceberg in `target/pyiceberg-venv`, the independent
 //!   reader of the Iceberg tests (see `python.rs`).
 //!
@@ -30,10 +32,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
+mod java;
 mod kafka;
 mod postgres;
 mod python;
 mod rest;
+mod s3;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -41,7 +45,8 @@ fn main() -> Result<()> {
         Some("ci") => ci(),
         Some("kafka") => kafka::main(&args[1..]),
         Some("postgres") => postgres::main(&args[1..]),
-        Some("iceberg-rest") => rest::main(&args[1..]),
+        Some("iceberg-rest") => java::main(&rest::SPEC, &args[1..]),
+        Some("s3") => java::main(&s3::SPEC, &args[1..]),
         Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
         Some("demo") => run(
             "demo",
@@ -56,7 +61,7 @@ fn main() -> Result<()> {
             .args(&args[1..]),
         ),
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|py-setup>");
+            eprintln!("usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|s3|py-setup>");
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
             eprintln!(
@@ -67,6 +72,9 @@ fn main() -> Result<()> {
             );
             eprintln!(
                 "  iceberg-rest start|stop|status [--port N]: Iceberg's REST catalog server for the catalog tests"
+            );
+            eprintln!(
+                "  s3 start|stop|status [--port N]: an S3 server (S3Proxy) for the tests of tables on S3"
             );
             eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
             bail!("unknown or missing command {:?}", args.first());
@@ -104,13 +112,16 @@ fn ci() -> Result<()> {
     // The Iceberg SQL catalog on PostgreSQL, as in production.
     let postgres = postgres::ci_start()?;
     // Iceberg's REST catalog server, the other production catalog.
-    let rest = rest::ci_start()?;
+    let rest = java::ci_start(&rest::SPEC)?;
+    // An S3 server, for tables whose files live on S3.
+    let s3 = java::ci_start(&s3::SPEC)?;
     run_tests(
         "tests",
         cargo(&["test", "--workspace", "--all-targets", "--all-features"])
             .env("KAFKA_BOOTSTRAP", &broker.bootstrap)
             .env("TINYFLOW_POSTGRES_URL", &postgres.url)
             .env("TINYFLOW_REST_CATALOG_URL", &rest.url)
+            .env("TINYFLOW_S3_ENDPOINT", &s3.url)
             .env("TINYFLOW_PYTHON", &python)
             // Tests that stop and restart a broker of their own run this
             // binary's `kafka` command.
@@ -120,6 +131,7 @@ fn ci() -> Result<()> {
     drop(broker);
     drop(postgres);
     drop(rest);
+    drop(s3);
     // The README's demo command, shortened: it checks exactly-once itself
     // and fails when the table does not hold every bid once. The tests
     // built the binary (the chaos test needs it) next to this one.
@@ -182,29 +194,38 @@ pub(crate) fn command_and_port(
 /// already, left alone.
 pub(crate) struct CiServer<S: CiStop> {
     server: Option<S>,
+    /// The xtask command's name, for messages.
+    name: &'static str,
     /// What the tests get in that variable.
     pub(crate) url: String,
 }
 
 /// How [`CiServer`] stops what it started.
 pub(crate) trait CiStop {
-    /// The xtask command's name, for messages.
-    const NAME: &'static str;
     /// Stops the server and deletes what it kept.
     fn stop_server(&self) -> Result<()>;
 }
 
 impl<S: CiStop> CiServer<S> {
     /// The server `env` names, else the one `start` starts (returning its
-    /// URL and itself).
-    pub(crate) fn start(env: &str, start: impl FnOnce() -> Result<(String, S)>) -> Result<Self> {
+    /// URL and itself); `name` is the xtask command's.
+    pub(crate) fn start(
+        name: &'static str,
+        env: &str,
+        start: impl FnOnce() -> Result<(String, S)>,
+    ) -> Result<Self> {
         if let Ok(url) = std::env::var(env) {
-            eprintln!("xtask {}: using {env}={url}", S::NAME);
-            return Ok(CiServer { server: None, url });
+            eprintln!("xtask {name}: using {env}={url}");
+            return Ok(CiServer {
+                server: None,
+                name,
+                url,
+            });
         }
         let (url, server) = start()?;
         Ok(CiServer {
             server: Some(server),
+            name,
             url,
         })
     }
@@ -215,7 +236,7 @@ impl<S: CiStop> Drop for CiServer<S> {
         if let Some(server) = &self.server
             && let Err(e) = server.stop_server()
         {
-            eprintln!("xtask {}: stopping the server failed: {e:#}", S::NAME);
+            eprintln!("xtask {}: stopping the server failed: {e:#}", self.name);
         }
     }
 }

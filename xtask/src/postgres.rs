@@ -218,7 +218,7 @@ impl Server {
 
 /// A server for `cargo xtask ci` (see [`CiServer`]).
 pub(crate) fn ci_start() -> Result<CiServer<Server>> {
-    CiServer::start("TINYFLOW_POSTGRES_URL", || {
+    CiServer::start("postgres", "TINYFLOW_POSTGRES_URL", || {
         let (_, port) = parse_args(&["start".to_owned()])?;
         let server = Server::new(port)?;
         server.start()?;
@@ -227,8 +227,6 @@ pub(crate) fn ci_start() -> Result<CiServer<Server>> {
 }
 
 impl CiStop for Server {
-    const NAME: &'static str = "postgres";
-
     fn stop_server(&self) -> Result<()> {
         self.stop()
     }

@@ -194,13 +194,16 @@ pub struct CatalogSection {
     /// `sql`: `postgres://user:password@host/db` or `sqlite:<path>`;
     /// `rest`: the server's base URI, `http://host:8181`.
     pub uri: Option<String>,
-    /// `sql`: where table data lives (`file:///...`); `rest` (optional): the
-    /// warehouse to ask the server for.
+    /// `sql`: where table data lives, `file:///...` or `s3://bucket/path`
+    /// (with `s3.*` properties); `rest` (optional): the warehouse to ask
+    /// the server for.
     pub warehouse: Option<String>,
     /// The catalog's name (default `tinyflow`); readers must use the same.
     pub name: Option<String>,
     /// Further catalog properties (for `rest`: `credential`, `token`,
-    /// `prefix`, `header.<name>`).
+    /// `prefix`, `header.<name>`; for S3 storage: `s3.endpoint`,
+    /// `s3.region`, `s3.access-key-id`, `s3.secret-access-key`,
+    /// `s3.path-style-access`).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
 }

@@ -219,6 +219,17 @@ fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
                 .warehouse
                 .clone()
                 .ok_or_else(|| err("sink.catalog.warehouse", "a sql catalog needs `warehouse`"))?;
+            if !["file://", "s3://", "s3a://", "s3n://"]
+                .iter()
+                .any(|scheme| warehouse.starts_with(scheme))
+            {
+                return Err(err(
+                    "sink.catalog.warehouse",
+                    format!(
+                        "`{warehouse}`: expected a file:///path or s3://bucket/path location"
+                    ),
+                ));
+            }
             Ok(CatalogConfig::Sql {
                 name,
                 uri,
@@ -794,6 +805,35 @@ mod tests {
                 &plan.sink.catalog,
                 tinyflow_connectors_iceberg::CatalogConfig::Rest { uri, warehouse: None, .. }
                     if uri == "http://127.0.0.1:8181"
+            ),
+            "{:?}",
+            plan.sink.catalog
+        );
+        let sql = |t: &str, warehouse: &str| {
+            t.replacen("type = \"sqlite\"", "type = \"sql\"", 1).replacen(
+                "dir = \"tinyflow-data\"\n",
+                &format!(
+                    "uri = \"sqlite:c.db\"\nwarehouse = \"{warehouse}\"\n\
+                     properties = {{ \"s3.endpoint\" = \"http://127.0.0.1:9190\" }}\n"
+                ),
+                1,
+            )
+        };
+        let err = plan_error(|t| sql(t, "/var/lib/w"));
+        assert!(
+            err.starts_with(
+                "sink.catalog.warehouse: `/var/lib/w`: expected a file:///path or s3://bucket/path"
+            ),
+            "{err}"
+        );
+        let text = sql(EXAMPLE, "s3://bucket/w");
+        let plan = JobFile::parse(&text, "job.toml").unwrap().plan().unwrap();
+        assert!(
+            matches!(
+                &plan.sink.catalog,
+                tinyflow_connectors_iceberg::CatalogConfig::Sql { warehouse, properties, .. }
+                    if warehouse == "s3://bucket/w"
+                        && properties["s3.endpoint"] == "http://127.0.0.1:9190"
             ),
             "{:?}",
             plan.sink.catalog

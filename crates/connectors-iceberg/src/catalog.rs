@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
+use iceberg::io::StorageFactory;
 use iceberg::table::Table;
 use iceberg::{
     Catalog, CatalogBuilder, ErrorKind, Namespace, NamespaceIdent, TableCommit, TableCreation,
@@ -17,6 +18,7 @@ use iceberg_catalog_rest::{
     REST_CATALOG_PROP_URI, REST_CATALOG_PROP_WAREHOUSE, RestCatalogBuilder,
 };
 use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
+use iceberg_storage_opendal::OpenDalResolvingStorageFactory;
 use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
 
@@ -69,8 +71,22 @@ pub async fn open_catalog(
     }
 }
 
+/// How the catalog's tables read and write files: iceberg's own local-file
+/// storage for a `file://` warehouse (the default, and the fastest), else
+/// OpenDAL's, which picks S3 or local files by each path's scheme and takes
+/// the `s3.*` catalog properties (endpoint, region, keys; without keys, the
+/// usual AWS environment variables and profiles).
+fn storage_factory(config: &CatalogConfig) -> Arc<dyn StorageFactory> {
+    match config.warehouse() {
+        Some(w) if w.starts_with("file:") || w.starts_with('/') => {
+            Arc::new(iceberg::io::LocalFsStorageFactory)
+        }
+        _ => Arc::new(OpenDalResolvingStorageFactory::new()),
+    }
+}
+
 async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
-    let storage = Arc::new(iceberg::io::LocalFsStorageFactory);
+    let storage = storage_factory(config);
     if let Some(dir) = config.warehouse().and_then(|w| w.strip_prefix("file://")) {
         std::fs::create_dir_all(dir).map_err(|source| StreamError::Io {
             action: "creating the warehouse directory",

@@ -2,7 +2,7 @@
 //! (files of checkpoints that never completed, or of a crashed attempt).
 //! They were never committed and never will be; this lists and deletes them.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -23,8 +23,8 @@ pub struct OrphanReport {
     pub deleted: usize,
     /// Bytes deleted.
     pub bytes: u64,
-    /// The deleted files.
-    pub files: Vec<PathBuf>,
+    /// The deleted files' locations (`file:///...`, `s3://...`).
+    pub files: Vec<String>,
 }
 
 /// Every file path any snapshot of the table references.
@@ -61,6 +61,15 @@ async fn referenced(table: &iceberg::table::Table, label: &str) -> StreamResult<
     Ok(paths)
 }
 
+/// A file found under the table's data directory.
+struct Listed {
+    /// Its location as the table's manifests name it: the table location,
+    /// `/data/`, the path below that.
+    location: String,
+    bytes: u64,
+    modified: Option<SystemTime>,
+}
+
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -77,6 +86,91 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Every file under `<location>/data` of a table in a local warehouse.
+fn list_local(location: &str, root: &str) -> StreamResult<Vec<Listed>> {
+    let data = Path::new(root).join("data");
+    let mut paths = Vec::new();
+    walk(&data, &mut paths).map_err(|source| StreamError::Io {
+        action: "listing data files in",
+        path: data.clone(),
+        source,
+    })?;
+    paths
+        .into_iter()
+        .map(|path| {
+            let meta = std::fs::metadata(&path).map_err(|source| StreamError::Io {
+                action: "reading the age of",
+                path: path.clone(),
+                source,
+            })?;
+            let below = path.strip_prefix(&data).unwrap_or(&path).display();
+            Ok(Listed {
+                location: format!("{}/data/{below}", location.trim_end_matches('/')),
+                bytes: meta.len(),
+                modified: meta.modified().ok(),
+            })
+        })
+        .collect()
+}
+
+/// Every object under `<location>/data` of a table on S3
+/// (`s3://bucket/path`), listed with the table's `s3.*` properties.
+async fn list_s3(
+    location: &str,
+    props: &HashMap<String, String>,
+    label: &str,
+) -> StreamResult<Vec<Listed>> {
+    let failed = |message: String| StreamError::External {
+        operator: label.to_owned(),
+        system: "s3",
+        action: format!("listing the data files under {location}"),
+        message,
+        retryable: true,
+    };
+    let (scheme, rest) = location
+        .split_once("://")
+        .ok_or_else(|| failed("not a URL".to_owned()))?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut builder = opendal::services::S3::default().bucket(bucket).root("/");
+    let prop = |key: &str| props.get(key).map(String::as_str);
+    if let Some(v) = prop("s3.endpoint") {
+        builder = builder.endpoint(v);
+    }
+    if let Some(v) = prop("s3.region").or_else(|| prop("client.region")) {
+        builder = builder.region(v);
+    }
+    if let Some(v) = prop("s3.access-key-id") {
+        builder = builder.access_key_id(v);
+    }
+    if let Some(v) = prop("s3.secret-access-key") {
+        builder = builder.secret_access_key(v);
+    }
+    if let Some(v) = prop("s3.session-token") {
+        builder = builder.session_token(v);
+    }
+    if prop("s3.path-style-access").is_some_and(|v| ["false", "f", "0", "off"].contains(&v)) {
+        builder = builder.enable_virtual_host_style();
+    }
+    let op = opendal::Operator::new(builder)
+        .map_err(|e| failed(e.to_string()))?
+        .finish();
+    let data = format!("{}/data/", prefix.trim_end_matches('/'));
+    let entries = op
+        .list_with(&data)
+        .recursive(true)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    Ok(entries
+        .into_iter()
+        .filter(|e| e.metadata().is_file())
+        .map(|e| Listed {
+            location: format!("{scheme}://{bucket}/{}", e.path()),
+            bytes: e.metadata().content_length(),
+            modified: e.metadata().last_modified().map(SystemTime::from),
+        })
+        .collect())
 }
 
 /// Whether `name` is a file the writers of the sink with this prefix
@@ -96,13 +190,11 @@ fn written_by(name: &str, prefix: &str) -> bool {
             && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-/// Lists the sink's data files under the table's local data directory and
-/// deletes those no snapshot references and older than `min_age`. The age
-/// bound keeps files of a running attempt (written, not yet committed)
-/// safe: it must exceed the longest time a file waits for its commit.
-///
-/// Only local warehouses (`file://`) are cleaned; for others it lists
-/// nothing.
+/// Lists the sink's data files under the table's data directory (local or
+/// on S3) and deletes those no snapshot references and older than
+/// `min_age`. The age bound keeps files of a running attempt (written, not
+/// yet committed) safe: it must exceed the longest time a file waits for its
+/// commit. Warehouses elsewhere are not cleaned: it lists nothing there.
 pub(crate) async fn delete_orphans(
     table: &SinkTable,
     min_age: Duration,
@@ -110,57 +202,50 @@ pub(crate) async fn delete_orphans(
     let label = table.label();
     let loaded = table.load().await?;
     let location = loaded.metadata().location().to_owned();
-    let Some(root) = location
+    let files = if let Some(root) = location
         .strip_prefix("file://")
         .or_else(|| location.starts_with('/').then_some(location.as_str()))
-    else {
+    {
+        list_local(&location, root)?
+    } else if ["s3://", "s3a://", "s3n://"]
+        .iter()
+        .any(|s| location.starts_with(s))
+    {
+        list_s3(&location, loaded.file_io().config().props(), &label).await?
+    } else {
         return Ok(OrphanReport::default());
     };
-    let data = Path::new(root).join("data");
-    let mut files = Vec::new();
-    walk(&data, &mut files).map_err(|source| StreamError::Io {
-        action: "listing data files in",
-        path: data.clone(),
-        source,
-    })?;
     let prefix = format!("{}-", table.config.sink_id);
     let refs = referenced(&loaded, &label).await?;
     let now = SystemTime::now();
     let mut report = OrphanReport::default();
-    for path in files {
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    for file in files {
+        let name = file.location.rsplit('/').next().unwrap_or("");
         if !written_by(name, &prefix) {
             continue;
         }
         report.listed += 1;
-        let shown = path.display().to_string();
-        if refs.contains(&format!("file://{shown}")) || refs.contains(&shown) {
+        if refs.contains(&file.location) {
             report.referenced += 1;
             continue;
         }
-        let meta = std::fs::metadata(&path).map_err(|source| StreamError::Io {
-            action: "reading the age of",
-            path: path.clone(),
-            source,
-        })?;
-        let age = meta
-            .modified()
-            .ok()
+        let age = file
+            .modified
             .and_then(|m| now.duration_since(m).ok())
             .unwrap_or_default();
         if age < min_age {
             report.too_young += 1;
             continue;
         }
-        std::fs::remove_file(&path).map_err(|source| StreamError::Io {
-            action: "deleting orphan data file",
-            path: path.clone(),
-            source,
-        })?;
-        tracing::debug!(sink = %label, file = %shown, "deleted orphan");
+        loaded
+            .file_io()
+            .delete(&file.location)
+            .await
+            .map_err(|e| external(&label, format!("deleting orphan data file {}", file.location), &e))?;
+        tracing::debug!(sink = %label, file = %file.location, "deleted orphan");
         report.deleted += 1;
-        report.bytes += meta.len();
-        report.files.push(path);
+        report.bytes += file.bytes;
+        report.files.push(file.location);
     }
     Ok(report)
 }
