@@ -241,7 +241,10 @@ impl Server {
         let log =
             File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         let mut cmd = Command::new("java");
-        cmd.args(JVM_OPTS).arg("-cp").arg(&jar).arg(self.spec.main_class);
+        cmd.args(JVM_OPTS)
+            .arg("-cp")
+            .arg(&jar)
+            .arg(self.spec.main_class);
         let serves = (self.spec.configure)(&self.run_dir, port, &mut cmd)?;
         let mut child = cmd
             .stdin(Stdio::null())

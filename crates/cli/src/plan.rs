@@ -225,9 +225,7 @@ fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
             {
                 return Err(err(
                     "sink.catalog.warehouse",
-                    format!(
-                        "`{warehouse}`: expected a file:///path or s3://bucket/path location"
-                    ),
+                    format!("`{warehouse}`: expected a file:///path or s3://bucket/path location"),
                 ));
             }
             Ok(CatalogConfig::Sql {
@@ -810,14 +808,15 @@ mod tests {
             plan.sink.catalog
         );
         let sql = |t: &str, warehouse: &str| {
-            t.replacen("type = \"sqlite\"", "type = \"sql\"", 1).replacen(
-                "dir = \"tinyflow-data\"\n",
-                &format!(
-                    "uri = \"sqlite:c.db\"\nwarehouse = \"{warehouse}\"\n\
+            t.replacen("type = \"sqlite\"", "type = \"sql\"", 1)
+                .replacen(
+                    "dir = \"tinyflow-data\"\n",
+                    &format!(
+                        "uri = \"sqlite:c.db\"\nwarehouse = \"{warehouse}\"\n\
                      properties = {{ \"s3.endpoint\" = \"http://127.0.0.1:9190\" }}\n"
-                ),
-                1,
-            )
+                    ),
+                    1,
+                )
         };
         let err = plan_error(|t| sql(t, "/var/lib/w"));
         assert!(

@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
-use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
 use iceberg::io::StorageFactory;
+use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
 use iceberg::table::Table;
 use iceberg::{
     Catalog, CatalogBuilder, ErrorKind, Namespace, NamespaceIdent, TableCommit, TableCreation,

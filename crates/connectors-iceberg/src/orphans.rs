@@ -237,11 +237,13 @@ pub(crate) async fn delete_orphans(
             report.too_young += 1;
             continue;
         }
-        loaded
-            .file_io()
-            .delete(&file.location)
-            .await
-            .map_err(|e| external(&label, format!("deleting orphan data file {}", file.location), &e))?;
+        loaded.file_io().delete(&file.location).await.map_err(|e| {
+            external(
+                &label,
+                format!("deleting orphan data file {}", file.location),
+                &e,
+            )
+        })?;
         tracing::debug!(sink = %label, file = %file.location, "deleted orphan");
         report.deleted += 1;
         report.bytes += file.bytes;
