@@ -471,6 +471,8 @@ pub fn s3_catalog(dir: &std::path::Path) -> tinyflow_connectors_iceberg::Catalog
         properties: [
             ("s3.endpoint", s3_endpoint()),
             ("s3.region", "us-east-1".to_owned()),
+            // A loopback server: no bucket host names.
+            ("s3.path-style-access", "true".to_owned()),
             ("s3.access-key-id", S3_ACCESS_KEY.to_owned()),
             ("s3.secret-access-key", S3_SECRET_KEY.to_owned()),
         ]

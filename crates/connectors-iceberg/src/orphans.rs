@@ -150,7 +150,10 @@ async fn list_s3(
     if let Some(v) = prop("s3.session-token") {
         builder = builder.session_token(v);
     }
-    if prop("s3.path-style-access").is_some_and(|v| ["false", "f", "0", "off"].contains(&v)) {
+    // As iceberg-storage-opendal: virtual-host style unless path style is asked for.
+    if !prop("s3.path-style-access")
+        .is_some_and(|v| ["true", "t", "1", "on"].contains(&v.to_lowercase().as_str()))
+    {
         builder = builder.enable_virtual_host_style();
     }
     let op = opendal::Operator::new(builder)
