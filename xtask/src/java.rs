@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::kafka::{forward_to_stderr, print_tail, signal, wait_with_progress};
+use crate::kafka::{print_tail, run_mvn, signal};
 use crate::{CiServer, CiStop};
 
 const COPY: &str = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy";
@@ -303,24 +303,12 @@ impl Server {
             self.spec.download
         );
         let started = Instant::now();
-        let mut child = Command::new("mvn")
-            .args(["-B", "-q", COPY])
+        let mut mvn = Command::new("mvn");
+        mvn.args(["-B", "-q", COPY])
             .arg(format!("-Dartifact={artifact}"))
             .arg(format!("-DoutputDirectory={}", self.libs.display()))
-            .current_dir(std::env::temp_dir())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("running mvn (is Maven on PATH?)")?;
-        let forwards = [
-            forward_to_stderr(child.stdout.take().context("mvn output pipe")?),
-            forward_to_stderr(child.stderr.take().context("mvn error pipe")?),
-        ];
-        let status = wait_with_progress(child, "mvn")?;
-        for forward in forwards {
-            let _ = forward.join();
-        }
+            .current_dir(std::env::temp_dir());
+        let status = run_mvn(mvn)?;
         if !status.success() || !jar.is_file() {
             bail!(
                 "mvn could not fetch {artifact} into {} ({status}); its output is above",

@@ -625,27 +625,12 @@ fn ensure_jars(layout: &Layout) -> Result<PathBuf> {
         libs.display()
     );
     let started = Instant::now();
-    let mut child = Command::new("mvn")
-        .args(["-B", "-q", "-f"])
+    let mut mvn = Command::new("mvn");
+    mvn.args(["-B", "-q", "-f"])
         .arg(&pom_path)
         .args([COPY_DEPENDENCIES, "-DincludeScope=runtime"])
-        .arg(format!("-DoutputDirectory={}", partial.display()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("running mvn (is Maven on PATH?)")?;
-    // Our stdout carries only KAFKA_BOOTSTRAP=...: Maven's messages go to stderr, less the
-    // colour resets that Debian's Maven 3.8 prints on both streams even in batch mode.
-    let forwards = [
-        forward_to_stderr(child.stdout.take().context("mvn output pipe")?),
-        forward_to_stderr(child.stderr.take().context("mvn error pipe")?),
-    ];
-    let status = wait_with_progress(child, "mvn")?;
-    for forward in forwards {
-        // The pipes close when mvn exits, so these end promptly; a panic there lost only output.
-        let _ = forward.join();
-    }
+        .arg(format!("-DoutputDirectory={}", partial.display()));
+    let status = run_mvn(mvn)?;
     if !status.success() {
         let _ = fs::remove_dir_all(&partial);
         bail!("mvn could not resolve the Kafka jars ({status}); its output is above");
@@ -695,6 +680,28 @@ fn has_broker_jar(dir: &Path) -> bool {
             name.starts_with("kafka_2.13-") && name.ends_with(".jar")
         })
     })
+}
+
+/// Runs `mvn` with its output on our stderr and progress while it works. Our stdout carries
+/// only what the commands print for scripts (`KAFKA_BOOTSTRAP=...`), so Maven's messages go to
+/// stderr, with the colour resets that Debian's Maven 3.8 prints on both streams even in batch mode.
+pub(crate) fn run_mvn(mut mvn: Command) -> Result<ExitStatus> {
+    let mut child = mvn
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running mvn (is Maven on PATH?)")?;
+    let forwards = [
+        forward_to_stderr(child.stdout.take().context("mvn output pipe")?),
+        forward_to_stderr(child.stderr.take().context("mvn error pipe")?),
+    ];
+    let status = wait_with_progress(child, "mvn")?;
+    for forward in forwards {
+        // The pipes close when mvn exits, so these end promptly; a panic there lost only output.
+        let _ = forward.join();
+    }
+    Ok(status)
 }
 
 /// Copies a child's output to our stderr line by line, without ANSI colour resets.
