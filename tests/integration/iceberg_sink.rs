@@ -31,10 +31,10 @@ use tinyflow_api::{
 };
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_iceberg::{
-    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, DataFileMeta, Fault,
-    FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, SUMMARY_CHECKPOINT_ID,
-    SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id, load_table, open_catalog,
-    scan_longs,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression,
+    DataFileMeta, Fault, FaultHook, IcebergSink, IcebergSinkConfig, PartitionField,
+    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id,
+    load_table, open_catalog, scan_longs,
 };
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 use tinyflow_tests::ms;
@@ -691,6 +691,56 @@ async fn every_partition_transform_works_and_files_roll_at_the_target_size() {
             files > partitions,
             "{column} by {transform}: {files} files for {partitions} partitions: 1 KiB files roll"
         );
+    }
+}
+
+#[tokio::test]
+async fn files_and_created_tables_carry_the_configured_compression() {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    for (compression, codec, level) in [
+        (Compression::default(), "ZSTD", Some("1")),
+        (Compression::Zstd(7), "ZSTD", Some("7")),
+        (Compression::Snappy, "SNAPPY", None),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = config(dir.path(), "s");
+        c.compression = compression;
+        let mut d = Driver::new(c).await;
+        d.checkpoint_in(1, 0..1_000, 100).await;
+        d.commit(1).await.unwrap();
+        let table = d.table().await;
+        let props = table.metadata().properties();
+        assert_eq!(
+            props
+                .get("write.parquet.compression-codec")
+                .map(String::as_str),
+            Some(codec.to_ascii_lowercase().as_str()),
+            "{compression:?}"
+        );
+        assert_eq!(
+            props
+                .get("write.parquet.compression-level")
+                .map(String::as_str),
+            level,
+            "{compression:?}"
+        );
+        let files = data_files(&table).await;
+        assert!(!files.is_empty());
+        for f in files {
+            let path = f.strip_prefix("file://").unwrap_or(&f);
+            let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+            for group in reader.metadata().row_groups() {
+                for column in group.columns() {
+                    // The file records the codec, not the level.
+                    let found = format!("{:?}", column.compression());
+                    assert!(
+                        found.starts_with(codec),
+                        "{compression:?}: {} in {path} is {found}",
+                        column.column_path()
+                    );
+                }
+            }
+        }
     }
 }
 

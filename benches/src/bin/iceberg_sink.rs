@@ -14,7 +14,8 @@
 //!
 //! `cargo run --release -p tinyflow-benches --bin iceberg_sink -- [--rows N]
 //! [--checkpoint-rows N] [--commits N] [--repeat N]`. The rows are Nexmark
-//! bids (auction, bidder, price, channel, url, timestamp, extra), zstd(3).
+//! bids (auction, bidder, price, channel, url, timestamp, extra), compressed
+//! as the sink compresses by default (zstd(1)).
 
 #![allow(
     clippy::print_stdout,
@@ -34,11 +35,11 @@ use nexmark::EventGenerator;
 use nexmark::config::NexmarkConfig;
 use nexmark::event::{Event, EventType};
 use parquet::arrow::ArrowWriter;
-use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use tinyflow_api::{CheckpointId, OperatorContext, SinkFactory, WriterFactory};
 use tinyflow_connectors_iceberg::{
-    CatalogConfig, Column, ColumnType, CommitCadence, IcebergSink, IcebergSinkConfig, TableSpec,
+    CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink, IcebergSinkConfig,
+    TableSpec,
 };
 
 struct Args {
@@ -141,7 +142,7 @@ fn bids(rows: usize, batch: usize) -> Vec<RecordBatch> {
 
 fn props() -> WriterProperties {
     WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3).unwrap()))
+        .set_compression(Compression::default().to_parquet().unwrap())
         .set_max_row_group_row_count(Some(64 * 1024))
         .build()
 }
@@ -305,10 +306,11 @@ fn main() {
     let batches = bids(a.rows, a.batch);
     let bytes: usize = batches.iter().map(RecordBatch::get_array_memory_size).sum();
     println!(
-        "iceberg sink bench: {} rows ({} MiB in Arrow), a checkpoint every {} rows, zstd(3), 1 writer, current-thread runtime",
+        "iceberg sink bench: {} rows ({} MiB in Arrow), a checkpoint every {} rows, {:?}, 1 writer, current-thread runtime",
         a.rows,
         bytes >> 20,
-        a.checkpoint_rows
+        a.checkpoint_rows,
+        Compression::default()
     );
     let (mut bare_r, mut synced_r, mut write_r, mut commit_r) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());

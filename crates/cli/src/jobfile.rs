@@ -167,7 +167,7 @@ pub struct SinkSection {
     pub parallelism: Option<usize>,
     /// Roll files at this many bytes (default 128 MiB).
     pub target_file_size: Option<u64>,
-    /// `zstd` (default), `snappy` or `uncompressed`.
+    /// `zstd(LEVEL)` (default `zstd(1)`), `zstd` (level 3), `snappy` or `none`.
     pub compression: Option<String>,
     /// Rows that do not fit the table: `fail` (default) or `skip`.
     pub bad_records: Option<String>,

@@ -550,10 +550,7 @@ async fn ensure_table(
         .name(ident.name().to_owned())
         .schema(schema)
         .partition_spec(partition)
-        .properties([(
-            "write.parquet.compression-codec".to_owned(),
-            "zstd".to_owned(),
-        )])
+        .properties(config.compression.table_properties())
         .build();
     match catalog.create_table(ns, creation).await {
         Ok(t) => {

@@ -23,7 +23,7 @@ use tinyflow_api::{
 };
 
 use crate::catalog::{SinkTable, external};
-use crate::config::{BadRecords, Compression};
+use crate::config::BadRecords;
 
 /// A data file written but not committed: what a writer sends its committer
 /// on a barrier, and what the committer keeps in checkpoint state.
@@ -86,16 +86,14 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             )
         };
         let config = &self.table.config;
-        let compression = match config.compression {
-            Compression::None => parquet::basic::Compression::UNCOMPRESSED,
-            Compression::Snappy => parquet::basic::Compression::SNAPPY,
-            Compression::Zstd(level) => parquet::basic::Compression::ZSTD(
-                parquet::basic::ZstdLevel::try_new(level).map_err(|e| StreamError::Config {
+        let compression =
+            config
+                .compression
+                .to_parquet()
+                .map_err(|message| StreamError::Config {
                     key: "sink.compression",
-                    message: e.to_string(),
-                })?,
-            ),
-        };
+                    message,
+                })?;
         let props = WriterProperties::builder()
             .set_compression(compression)
             .set_max_row_group_row_count(Some(config.row_group_rows))
