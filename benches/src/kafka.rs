@@ -131,6 +131,66 @@ pub fn peak_rss_mb() -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
+/// Machine-wide CPU use from [`CpuMeter::start`] on: every process's, the
+/// broker's and the Python interpreter's included, so the bench can show how
+/// much of the machine a variant kept busy and what one event costs it.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuMeter {
+    busy_ticks: u64,
+    started: Instant,
+}
+
+/// What [`CpuMeter::stop`] measured.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuUse {
+    /// CPU seconds spent by every process, summed over the cores.
+    pub core_secs: f64,
+    /// `core_secs` per second of wall time: how many cores were busy on average.
+    pub busy_cores: f64,
+}
+
+impl CpuMeter {
+    /// Starts measuring.
+    #[must_use]
+    pub fn start() -> Self {
+        Self {
+            busy_ticks: busy_ticks(),
+            started: Instant::now(),
+        }
+    }
+
+    /// What was used since [`start`](Self::start).
+    #[must_use]
+    pub fn stop(&self) -> CpuUse {
+        // USER_HZ: /proc/stat counts in hundredths of a second on every Linux
+        // architecture this bench builds for.
+        let core_secs = busy_ticks().saturating_sub(self.busy_ticks) as f64 / 100.0;
+        CpuUse {
+            core_secs,
+            busy_cores: core_secs / self.started.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// Busy ticks of all cores together (user, nice, system, irq, softirq,
+/// steal) from the `cpu` line of `/proc/stat`; 0 where that cannot be read.
+fn busy_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else {
+        return 0;
+    };
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|t| t.parse().unwrap_or(0))
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is in user).
+    [0, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|&i| ticks.get(i))
+        .sum()
+}
+
 /// What a bare consume loop did.
 #[derive(Debug, Clone, Copy)]
 pub struct BareRun {

@@ -2,8 +2,8 @@
 //! with Nexmark bids as JSON, all in one run:
 //!
 //! 1. a bare rdkafka consume loop (the raw read limit);
-//! 2. a bare JSON decode (arrow-json) + zstd Parquet write loop, from
-//!    memory (the raw processing limit);
+//! 2. a bare JSON decode (arrow-json) + Parquet write loop, from memory,
+//!    compressed as the sink compresses by default (the raw processing limit);
 //! 3. the tinyflow job end to end (the same job `tinyflow run` runs from a
 //!    job file: Kafka -> compute price_eur -> Iceberg in a sqlite catalog),
 //!    checkpoints (and commits) every 1 s, timed from the first record read
@@ -44,14 +44,14 @@ use arrow_json::ReaderBuilder;
 use arrow_schema::{DataType, Field, Schema};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parquet::arrow::ArrowWriter;
-use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use tinyflow_benches::kafka::{
-    BidsTopic, bare_consume, bootstrap, ensure_bids_topic, peak_rss_mb, reset_peak_rss,
+    BidsTopic, CpuMeter, CpuUse, bare_consume, bootstrap, ensure_bids_topic, peak_rss_mb,
+    reset_peak_rss,
 };
 use tinyflow_cli::JobFile;
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
-use tinyflow_connectors_iceberg::{TableReader, scan_longs};
+use tinyflow_connectors_iceberg::{Compression, TableReader, scan_longs};
 use tinyflow_connectors_kafka::DEFAULT_CLIENT_SETTINGS;
 
 struct Args {
@@ -120,11 +120,18 @@ struct Figure {
     events: u64,
     secs: f64,
     rss_mb: f64,
+    /// Machine-wide CPU use while it ran (the broker's included).
+    cpu: CpuUse,
 }
 
 impl Figure {
     fn rate(&self) -> f64 {
         self.events as f64 / self.secs
+    }
+
+    /// Machine-wide CPU microseconds per event.
+    fn cpu_us_per_event(&self) -> f64 {
+        self.cpu.core_secs * 1e6 / self.events as f64
     }
 }
 
@@ -154,7 +161,7 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
     let schema = bid_schema();
     let file = std::fs::File::create(dir.join("bare.parquet")).unwrap();
     let props = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3).unwrap()))
+        .set_compression(Compression::default().to_parquet().unwrap())
         .build();
     let mut writer = ArrowWriter::try_new(file, Arc::clone(&schema), Some(props)).unwrap();
     let mut decoder = ReaderBuilder::new(schema)
@@ -162,6 +169,7 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
         .build_decoder()
         .unwrap();
     let start = Instant::now();
+    let cpu = CpuMeter::start();
     let mut done = 0u64;
     for value in pool.iter().cycle().take(n as usize) {
         decoder.decode(value).unwrap();
@@ -180,6 +188,7 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
         events: n,
         secs: start.elapsed().as_secs_f64(),
         rss_mb: peak_rss_mb(),
+        cpu: cpu.stop(),
     }
 }
 
@@ -282,6 +291,7 @@ async fn job(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let start = Instant::now();
+    let cpu = CpuMeter::start();
     loop {
         assert!(
             !running.is_finished(),
@@ -299,6 +309,7 @@ async fn job(
         tokio::time::sleep(Duration::from_millis(if commit { 50 } else { 5 })).await;
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu = cpu.stop();
     let rss_mb = peak_rss_mb();
     running.abort();
     let _ = running.await;
@@ -306,6 +317,7 @@ async fn job(
         events: n,
         secs,
         rss_mb,
+        cpu,
     }
 }
 
@@ -338,6 +350,8 @@ fn python(topic: &BidsTopic, n: u64, dir: &Path) -> Option<Figure> {
             return None;
         }
     }
+    // The whole process: the interpreter's start and imports count too.
+    let cpu = CpuMeter::start();
     let out = Command::new(&py)
         .arg(root.join("benches/python/bids_loop.py"))
         .args(["--bootstrap", &bootstrap(), "--topic", &topic.name])
@@ -356,6 +370,7 @@ fn python(topic: &BidsTopic, n: u64, dir: &Path) -> Option<Figure> {
         events: v["events"].as_u64().unwrap(),
         secs: v["seconds"].as_f64().unwrap(),
         rss_mb: v["peak_rss_mb"].as_f64().unwrap(),
+        cpu: cpu.stop(),
     })
 }
 
@@ -465,11 +480,13 @@ fn main() {
     let props = &knobs;
     let bare = on(1).then(|| {
         eprintln!("(1) bare consume ...");
+        let cpu = CpuMeter::start();
         let b = bare_consume(&topic, DEFAULT_CLIENT_SETTINGS);
         Figure {
             events: b.records,
             secs: b.secs,
             rss_mb: b.rss_mb,
+            cpu: cpu.stop(),
         }
     });
     let job1s = on(3).then(|| {
@@ -522,15 +539,17 @@ fn main() {
 
     let show = |label: &str, f: &Figure| {
         println!(
-            "{label:<44} {:>7.3} M events/s  ({:>6.2} s, peak RSS {:>5.0} MB)",
+            "{label:<44} {:>7.3} M events/s  ({:>6.2} s, peak RSS {:>5.0} MB, {:.2} cores busy, {:.2} us CPU/event)",
             f.rate() / 1e6,
             f.secs,
-            f.rss_mb
+            f.rss_mb,
+            f.cpu.busy_cores,
+            f.cpu_us_per_event()
         );
     };
     let rows = [
         ("(1) bare rdkafka consume loop", &bare),
-        ("(2) bare JSON decode + zstd Parquet write", &decode),
+        ("(2) bare JSON decode + Parquet write", &decode),
         ("(3) tinyflow job, checkpoints every 1 s", &job1s),
         ("(4) tinyflow job, checkpoints off", &off),
         ("(5) Python loop (confluent-kafka + pyiceberg)", &py),
@@ -556,6 +575,18 @@ fn main() {
             println!("  (3)/(5) = {:.1}  (goal >= 6)", j.rate() / p.rate());
         }
         println!("  peak RSS of (3) = {:.0} MB  (goal <= 256)", j.rss_mb);
+        // What the machine allows at the CPU each event costs (3): every
+        // core busy with nothing else running.
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let ceiling = cores as f64 / j.cpu_us_per_event();
+        print!(
+            "  at {:.2} us CPU/event, {cores} cores allow (3) at most {ceiling:.3} M events/s",
+            j.cpu_us_per_event()
+        );
+        match &bare {
+            Some(b) => println!(", (3)/(1) <= {:.2}", ceiling * 1e6 / b.rate()),
+            None => println!(),
+        }
     }
     if let Some(lat) = lat {
         println!(
