@@ -695,7 +695,7 @@ async fn every_partition_transform_works_and_files_roll_at_the_target_size() {
 }
 
 #[tokio::test]
-async fn files_and_created_tables_carry_the_configured_compression() {
+async fn files_carry_the_configured_compression_and_dictionaries_only_where_values_repeat() {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     for (compression, codec, level) in [
         (Compression::default(), "ZSTD", Some("1")),
@@ -731,6 +731,16 @@ async fn files_and_created_tables_carry_the_configured_compression() {
             let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
             for group in reader.metadata().row_groups() {
                 for column in group.columns() {
+                    // Distinct ids get no dictionary; the partition column does.
+                    let name = column.column_path().string();
+                    if name == "id" || name == "part" {
+                        assert_eq!(
+                            column.dictionary_page_offset().is_some(),
+                            name == "part",
+                            "{name} in {path}: dictionary page at {:?}",
+                            column.dictionary_page_offset()
+                        );
+                    }
                     // The file records the codec, not the level.
                     let found = format!("{:?}", column.compression());
                     assert!(
