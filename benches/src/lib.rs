@@ -18,6 +18,32 @@ use tokio::time::Instant;
 pub mod kafka;
 pub mod pipeline;
 
+/// The Parquet settings the Iceberg sink writes with by default, for a file
+/// whose first batch is `first`: its default compression, 64k-row row
+/// groups, and no dictionary for the columns it finds mostly distinct. The
+/// bare writer loops use them, so the ratios compare like with like.
+///
+/// # Panics
+///
+/// If the sink's default compression is not a valid Parquet one.
+#[must_use]
+pub fn sink_writer_properties(
+    first: &arrow_array::RecordBatch,
+) -> parquet::file::properties::WriterProperties {
+    use tinyflow_connectors_iceberg::{Compression, plain_columns};
+    let mut props = parquet::file::properties::WriterProperties::builder()
+        .set_compression(
+            Compression::default()
+                .to_parquet()
+                .expect("the default compression is valid"),
+        )
+        .set_max_row_group_row_count(Some(64 * 1024));
+    for column in plain_columns(first) {
+        props = props.set_column_dictionary_enabled(column.into(), false);
+    }
+    props.build()
+}
+
 /// Seed of every generated input.
 pub const SEED: u64 = 0x7469_6E79_666C_6F77; // "tinyflow"
 

@@ -35,8 +35,8 @@ use nexmark::EventGenerator;
 use nexmark::config::NexmarkConfig;
 use nexmark::event::{Event, EventType};
 use parquet::arrow::ArrowWriter;
-use parquet::file::properties::WriterProperties;
 use tinyflow_api::{CheckpointId, OperatorContext, SinkFactory, WriterFactory};
+use tinyflow_benches::sink_writer_properties;
 use tinyflow_connectors_iceberg::{
     CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink, IcebergSinkConfig,
     TableSpec,
@@ -140,13 +140,6 @@ fn bids(rows: usize, batch: usize) -> Vec<RecordBatch> {
         .collect()
 }
 
-fn props() -> WriterProperties {
-    WriterProperties::builder()
-        .set_compression(Compression::default().to_parquet().unwrap())
-        .set_max_row_group_row_count(Some(64 * 1024))
-        .build()
-}
-
 /// Checkpoint boundaries: after which batch index a checkpoint falls.
 fn is_boundary(i: usize, batch: usize, checkpoint_rows: usize) -> bool {
     let per = checkpoint_rows.div_ceil(batch).max(1);
@@ -171,7 +164,7 @@ fn bare(batches: &[RecordBatch], dir: &Path, a: &Args, fsync: bool) -> Duration 
         let w = writer.get_or_insert_with(|| {
             n += 1;
             let f = File::create(dir.join(format!("bare-{n}.parquet"))).unwrap();
-            ArrowWriter::try_new(f, b.schema(), Some(props())).unwrap()
+            ArrowWriter::try_new(f, b.schema(), Some(sink_writer_properties(b))).unwrap()
         });
         w.write(b).unwrap();
         if is_boundary(i, a.batch, a.checkpoint_rows) {

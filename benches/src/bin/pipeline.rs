@@ -44,14 +44,14 @@ use arrow_json::ReaderBuilder;
 use arrow_schema::{DataType, Field, Schema};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parquet::arrow::ArrowWriter;
-use parquet::file::properties::WriterProperties;
 use tinyflow_benches::kafka::{
     BidsTopic, CpuMeter, CpuUse, bare_consume, bootstrap, ensure_bids_topic, peak_rss_mb,
     reset_peak_rss,
 };
+use tinyflow_benches::sink_writer_properties;
 use tinyflow_cli::JobFile;
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
-use tinyflow_connectors_iceberg::{Compression, TableReader, scan_longs};
+use tinyflow_connectors_iceberg::{TableReader, scan_longs};
 use tinyflow_connectors_kafka::DEFAULT_CLIENT_SETTINGS;
 
 struct Args {
@@ -159,11 +159,18 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
         .collect();
     reset_peak_rss();
     let schema = bid_schema();
-    let file = std::fs::File::create(dir.join("bare.parquet")).unwrap();
-    let props = WriterProperties::builder()
-        .set_compression(Compression::default().to_parquet().unwrap())
-        .build();
-    let mut writer = ArrowWriter::try_new(file, Arc::clone(&schema), Some(props)).unwrap();
+    let mut file = Some(std::fs::File::create(dir.join("bare.parquet")).unwrap());
+    // Opened on the first batch, which decides the columns without a dictionary.
+    let mut writer = None;
+    let mut write = |batch: &arrow_array::RecordBatch| {
+        writer
+            .get_or_insert_with(|| {
+                let props = sink_writer_properties(batch);
+                ArrowWriter::try_new(file.take().unwrap(), batch.schema(), Some(props)).unwrap()
+            })
+            .write(batch)
+            .unwrap();
+    };
     let mut decoder = ReaderBuilder::new(schema)
         .with_batch_size(8192)
         .build_decoder()
@@ -177,13 +184,13 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
         if done.is_multiple_of(8192)
             && let Some(batch) = decoder.flush().unwrap()
         {
-            writer.write(&batch).unwrap();
+            write(&batch);
         }
     }
     if let Some(batch) = decoder.flush().unwrap() {
-        writer.write(&batch).unwrap();
+        write(&batch);
     }
-    writer.close().unwrap();
+    writer.unwrap().close().unwrap();
     Figure {
         events: n,
         secs: start.elapsed().as_secs_f64(),

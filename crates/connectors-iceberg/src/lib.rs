@@ -67,7 +67,7 @@ pub use config::{
     FaultHook, IcebergSinkConfig, PartitionField, TableSpec,
 };
 pub use orphans::OrphanReport;
-pub use writer::{DataFileMeta, conform};
+pub use writer::{DataFileMeta, conform, plain_columns};
 
 use crate::catalog::SinkTable;
 

@@ -162,13 +162,9 @@ impl StackParts {
     /// in `first` are [mostly distinct](mostly_distinct); returns their names.
     fn build(self, first: &RecordBatch) -> (Stack, Vec<String>) {
         let mut props = self.props;
-        let mut plain = Vec::new();
-        for (field, column) in first.schema().fields().iter().zip(first.columns()) {
-            if mostly_distinct(column) {
-                props = props
-                    .set_column_dictionary_enabled(ColumnPath::from(field.name().as_str()), false);
-                plain.push(field.name().clone());
-            }
+        let plain = plain_columns(first);
+        for name in &plain {
+            props = props.set_column_dictionary_enabled(ColumnPath::from(name.as_str()), false);
         }
         let rolling = RollingFileWriterBuilder::new(
             ParquetWriterBuilder::new(props.build(), self.schema),
@@ -179,6 +175,20 @@ impl StackParts {
         );
         (DataFileWriterBuilder::new(rolling), plain)
     }
+}
+
+/// The columns of `first` that the sink writes without a Parquet dictionary:
+/// those whose values are [mostly distinct](mostly_distinct). Public so that
+/// benchmarks can give a bare Parquet writer the same settings.
+pub fn plain_columns(first: &RecordBatch) -> Vec<String> {
+    first
+        .schema()
+        .fields()
+        .iter()
+        .zip(first.columns())
+        .filter(|(_, column)| mostly_distinct(column))
+        .map(|(field, _)| field.name().clone())
+        .collect()
 }
 
 /// Whether most non-null values among the first rows of `column` differ
