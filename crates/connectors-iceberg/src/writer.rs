@@ -178,7 +178,7 @@ impl StackParts {
 }
 
 /// The columns of `first` that the sink writes without a Parquet dictionary:
-/// those whose values are [mostly distinct](mostly_distinct). Public so that
+/// those whose values are mostly distinct (see `mostly_distinct`). Public so that
 /// benchmarks can give a bare Parquet writer the same settings.
 pub fn plain_columns(first: &RecordBatch) -> Vec<String> {
     first
