@@ -13,18 +13,17 @@
 //! directory. The port is `--port N`, else the spec's variable, else its
 //! default.
 
-use std::fs::{self, File};
+use std::fs;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::kafka::{print_tail, run_mvn, signal};
+use crate::kafka::{print_tail, run_mvn, signal, spawn_server};
 use crate::{CiServer, CiStop};
 
 const COPY: &str = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy";
@@ -238,26 +237,14 @@ impl Server {
         fs::create_dir_all(&self.run_dir)
             .with_context(|| format!("creating {}", self.run_dir.display()))?;
         let log_path = self.log_file();
-        let log =
-            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         let mut cmd = Command::new("java");
         cmd.args(JVM_OPTS)
             .arg("-cp")
             .arg(&jar)
             .arg(self.spec.main_class);
         let serves = (self.spec.configure)(&self.run_dir, port, &mut cmd)?;
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().context("duplicating the log file handle")?)
-            .stderr(log)
-            // Its own process group: a Ctrl-C meant for this command does not
-            // reach the server, which outlives this command until `stop`.
-            .process_group(0)
-            .spawn()
-            .context("starting java (is a JDK 17 or newer on PATH?)")?;
+        let mut child = spawn_server(cmd, &log_path, &self.pid_file())?;
         let pid = child.id();
-        fs::write(self.pid_file(), format!("{pid}\n"))
-            .with_context(|| format!("writing {}", self.pid_file().display()))?;
         eprintln!(
             "xtask {command}: {what} pid {pid} starting on port {port}, log {}",
             log_path.display()

@@ -269,26 +269,15 @@ fn start(layout: &Layout, data: Data) -> Result<()> {
         format_data_dir(layout, &classpath, &log4j)?;
     }
     let log_path = layout.log_file();
-    let log =
-        File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
-    let mut child = Command::new("java")
-        .arg("-cp")
+    let mut java = Command::new("java");
+    java.arg("-cp")
         .arg(&classpath)
         .args(BROKER_JVM_OPTS)
         .arg(&log4j)
         .arg("kafka.Kafka")
-        .arg(&properties_path)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().context("duplicating the log file handle")?)
-        .stderr(log)
-        // Its own process group: a Ctrl-C meant for this command (or a later one in the same
-        // terminal) does not reach the broker, which outlives this command until `stop`.
-        .process_group(0)
-        .spawn()
-        .context("starting java (is a JDK 17 or newer on PATH?)")?;
+        .arg(&properties_path);
+    let mut child = spawn_server(java, &log_path, &layout.pid_file())?;
     let pid = child.id();
-    fs::write(layout.pid_file(), format!("{pid}\n"))
-        .with_context(|| format!("writing {}", layout.pid_file().display()))?;
     eprintln!(
         "xtask kafka: broker pid {pid} starting on {}, log {}",
         layout.address(),
@@ -680,6 +669,24 @@ fn has_broker_jar(dir: &Path) -> bool {
             name.starts_with("kafka_2.13-") && name.ends_with(".jar")
         })
     })
+}
+
+/// Starts the `java` server set up in `java`, its output in a new `log_path`, in a process group
+/// of its own, and writes its pid to `pid_file`.
+pub(crate) fn spawn_server(mut java: Command, log_path: &Path, pid_file: &Path) -> Result<Child> {
+    let log = File::create(log_path).with_context(|| format!("creating {}", log_path.display()))?;
+    let child = java
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().context("duplicating the log file handle")?)
+        .stderr(log)
+        // Its own process group: a Ctrl-C meant for this command (or a later one in the same
+        // terminal) does not reach the server, which outlives this command until `stop`.
+        .process_group(0)
+        .spawn()
+        .context("starting java (is a JDK 17 or newer on PATH?)")?;
+    fs::write(pid_file, format!("{}\n", child.id()))
+        .with_context(|| format!("writing {}", pid_file.display()))?;
+    Ok(child)
 }
 
 /// Runs `mvn` with its output on our stderr and progress while it works. Our stdout carries
