@@ -14,7 +14,7 @@ use tinyflow_api::{JobBuilder, JobGraph, JobId};
 use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
-    FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec,
+    FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
 };
 use tinyflow_connectors_kafka::{
     BadRecordPolicy, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig, StartPosition,
@@ -219,10 +219,7 @@ fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
                 .warehouse
                 .clone()
                 .ok_or_else(|| err("sink.catalog.warehouse", "a sql catalog needs `warehouse`"))?;
-            if !["file://", "s3://", "s3a://", "s3n://"]
-                .iter()
-                .any(|scheme| warehouse.starts_with(scheme))
-            {
+            if !(warehouse.starts_with("file://") || is_s3_location(&warehouse)) {
                 return Err(err(
                     "sink.catalog.warehouse",
                     format!("`{warehouse}`: expected a file:///path or s3://bucket/path location"),

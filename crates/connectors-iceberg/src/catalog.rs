@@ -71,6 +71,14 @@ pub async fn open_catalog(
     }
 }
 
+/// Whether `location` is on S3 (`s3://`, or Hadoop's `s3a://` and `s3n://`
+/// spellings), where the sink reads, writes and cleans up through OpenDAL.
+pub fn is_s3_location(location: &str) -> bool {
+    ["s3://", "s3a://", "s3n://"]
+        .iter()
+        .any(|scheme| location.starts_with(scheme))
+}
+
 /// How the catalog's tables read and write files: iceberg's own local-file
 /// storage for a `file://` warehouse (the default, and the fastest), else
 /// OpenDAL's, which picks S3 or local files by each path's scheme and takes

@@ -59,8 +59,8 @@ use tinyflow_api::{CheckpointId, JobPositions, SinkFactory, Stream, StreamResult
 
 pub use catalog::{
     SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK,
-    TableReader, committed_id, committed_positions, iceberg_schema, load_table, open_catalog,
-    positions_property, scan_longs, total_records,
+    TableReader, committed_id, committed_positions, iceberg_schema, is_s3_location, load_table,
+    open_catalog, positions_property, scan_longs, total_records,
 };
 pub use config::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,

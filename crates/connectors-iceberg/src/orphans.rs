@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use tinyflow_api::{StreamError, StreamResult};
 
-use crate::catalog::{SinkTable, external};
+use crate::catalog::{SinkTable, external, is_s3_location};
 
 /// What a cleanup found and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -210,10 +210,7 @@ pub(crate) async fn delete_orphans(
         .or_else(|| location.starts_with('/').then_some(location.as_str()))
     {
         list_local(&location, root)?
-    } else if ["s3://", "s3a://", "s3n://"]
-        .iter()
-        .any(|s| location.starts_with(s))
-    {
+    } else if is_s3_location(&location) {
         list_s3(&location, loaded.file_io().config().props(), &label).await?
     } else {
         return Ok(OrphanReport::default());
