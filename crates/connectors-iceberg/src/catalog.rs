@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
-use iceberg::io::StorageFactory;
+use iceberg::io::{FileIO, FileIOBuilder, StorageFactory};
 use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
 use iceberg::table::Table;
 use iceberg::{
@@ -19,6 +19,8 @@ use iceberg_catalog_rest::{
 };
 use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
 use iceberg_storage_opendal::OpenDalResolvingStorageFactory;
+
+use crate::local_storage::{PendingSyncs, SyncedLocalStorageFactory};
 use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
 
@@ -79,18 +81,21 @@ pub fn is_s3_location(location: &str) -> bool {
         .any(|scheme| location.starts_with(scheme))
 }
 
-/// How the catalog's tables read and write files: iceberg's own local-file
-/// storage for a `file://` warehouse (the default, and the fastest), else
+/// How the catalog's tables read and write files: for a `file://` warehouse
+/// (the default, and the fastest) local files written off the runtime's
+/// workers and synced ([`SyncedLocalStorage`](crate::local_storage::SyncedLocalStorage)), else
 /// OpenDAL's, which picks S3 or local files by each path's scheme and takes
 /// the `s3.*` catalog properties (endpoint, region, keys; without keys, the
 /// usual AWS environment variables and profiles).
 fn storage_factory(config: &CatalogConfig) -> Arc<dyn StorageFactory> {
     match config.warehouse() {
-        Some(w) if w.starts_with("file:") || w.starts_with('/') => {
-            Arc::new(iceberg::io::LocalFsStorageFactory)
-        }
+        Some(w) if is_local_warehouse(w) => Arc::new(SyncedLocalStorageFactory::default()),
         _ => Arc::new(OpenDalResolvingStorageFactory::new()),
     }
+}
+
+fn is_local_warehouse(warehouse: &str) -> bool {
+    warehouse.starts_with("file:") || warehouse.starts_with('/')
 }
 
 async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
@@ -192,6 +197,9 @@ pub(crate) struct SinkTable {
     pub(crate) ident: TableIdent,
     catalog: OnceCell<Arc<dyn Catalog>>,
     ensured: OnceCell<()>,
+    /// Data files the writers closed whose syncs the committer has not yet
+    /// waited for (local warehouses only).
+    pub(crate) syncs: Arc<PendingSyncs>,
 }
 
 impl SinkTable {
@@ -209,7 +217,24 @@ impl SinkTable {
             ident,
             catalog: OnceCell::new(),
             ensured: OnceCell::new(),
+            syncs: Arc::default(),
         })
+    }
+
+    /// The storage the writers write data files through: for a local
+    /// warehouse, one whose syncs go to [`Self::syncs`] for the committer
+    /// to wait for; else the table's own.
+    pub(crate) fn writer_file_io(&self, table: &FileIO) -> FileIO {
+        match self.config.catalog.warehouse() {
+            Some(w) if is_local_warehouse(w) => {
+                FileIOBuilder::new(Arc::new(SyncedLocalStorageFactory {
+                    defer: Some(Arc::clone(&self.syncs)),
+                }))
+                .with_props(table.config().props().clone())
+                .build()
+            }
+            _ => table.clone(),
+        }
     }
 
     pub(crate) fn label(&self) -> String {

@@ -457,6 +457,22 @@ impl Sink<DataFileMeta> for Committer {
     }
 
     async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
+        // The writers closed this checkpoint's files before they forwarded
+        // its barrier; the checkpoint names them only once they are durable.
+        // A failed sync (a full or failing disk) may pass: a restart retries.
+        let synced = self
+            .table
+            .syncs
+            .wait()
+            .await
+            .map_err(|e| StreamError::External {
+                operator: self.table.label(),
+                system: "iceberg",
+                action: format!("syncing checkpoint {id}'s data files to disk"),
+                message: e.to_string(),
+                retryable: true,
+            })?;
+        tracing::trace!(sink = %self.table.label(), checkpoint = %id, files = synced, "data files synced");
         let positions = std::mem::take(&mut self.positions);
         if !self.current.is_empty() {
             self.pending.insert(
@@ -604,5 +620,58 @@ mod tests {
                 .pending
                 .is_empty()
         );
+    }
+
+    /// A checkpoint names data files only once they are durable: the
+    /// committer's ack (what `prepare_commit` returns) waits for every sync
+    /// the writers started, and a failed sync fails the checkpoint.
+    #[tokio::test]
+    async fn a_checkpoint_waits_for_the_syncs_of_its_files() {
+        use crate::config::{CatalogConfig, IcebergSinkConfig};
+        let config = IcebergSinkConfig::new(
+            CatalogConfig::sqlite(std::path::Path::new("/nonexistent")),
+            "db",
+            "t",
+            "sink",
+        );
+        let table = Arc::new(SinkTable::new(config).unwrap());
+        let mut committer = Committer::new(Arc::clone(&table));
+        committer.write(vec![file(1)]).await.unwrap();
+
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let sync = tokio::task::spawn_blocking(move || {
+            gate.recv().ok();
+            Ok(())
+        });
+        table.syncs.push("/w/f-1.parquet".into(), sync);
+        let id = CheckpointId::new(1);
+        let mut prepare = Box::pin(committer.prepare_commit(id));
+        let early = tokio::time::timeout(Duration::from_millis(200), &mut prepare).await;
+        assert!(early.is_err(), "acked before its file was synced");
+        release.send(()).unwrap();
+        let state = State::decode(&prepare.await.unwrap()).unwrap();
+        assert_eq!(state.pending[&1].files, vec![file(1)]);
+
+        table.syncs.push(
+            "/w/f-2.parquet".into(),
+            tokio::task::spawn_blocking(|| {
+                Err(iceberg::Error::new(
+                    iceberg::ErrorKind::Unexpected,
+                    "syncing /w/f-2.parquet: No space left on device",
+                ))
+            }),
+        );
+        let err = committer
+            .prepare_commit(CheckpointId::new(2))
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("checkpoint 2")
+                && text.contains("f-2.parquet")
+                && text.contains("No space"),
+            "{text}"
+        );
+        assert!(err.is_retryable());
     }
 }

@@ -48,6 +48,7 @@
 pub mod catalog;
 mod committer;
 pub mod config;
+mod local_storage;
 mod orphans;
 mod writer;
 

@@ -115,7 +115,7 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             props,
             schema: schema.clone(),
             target_file_size: config.target_file_size,
-            file_io: table.file_io().clone(),
+            file_io: self.table.writer_file_io(table.file_io()),
             location,
             names,
         };
