@@ -122,6 +122,54 @@ struct Figure {
     rss_mb: f64,
     /// Machine-wide CPU use while it ran (the broker's included).
     cpu: CpuUse,
+    /// For the jobs: seconds from the first record read to the last.
+    read_secs: Option<f64>,
+    /// For the jobs: what their checkpoints cost, from the job's metrics.
+    checkpoints: Option<CheckpointCost>,
+}
+
+/// A job's checkpoints while it ran, from its metrics (sums over subtasks).
+#[derive(Debug, Clone, Copy)]
+struct CheckpointCost {
+    completed: f64,
+    /// Mean trigger-to-durable seconds.
+    mean_secs: f64,
+    /// Seconds inputs were held for barrier alignment.
+    alignment_secs: f64,
+    /// Seconds tasks waited for room downstream.
+    backpressure_secs: f64,
+    commits: f64,
+    /// Mean commit seconds.
+    commit_secs: f64,
+}
+
+impl CheckpointCost {
+    const SERIES: [&'static str; 7] = [
+        "tinyflow_checkpoints_completed_total",
+        "tinyflow_checkpoint_duration_seconds_sum",
+        "tinyflow_alignment_seconds_sum",
+        "tinyflow_backpressure_microseconds_total",
+        "tinyflow_iceberg_commits_total",
+        "tinyflow_iceberg_commit_seconds_sum",
+        "tinyflow_checkpoint_duration_seconds_count",
+    ];
+
+    fn read(handle: &PrometheusHandle) -> [f64; 7] {
+        let text = handle.render();
+        Self::SERIES.map(|name| tinyflow_cli::metric_sum(&text, name, None))
+    }
+
+    fn between(before: [f64; 7], after: [f64; 7]) -> Self {
+        let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+        Self {
+            completed: d[0],
+            mean_secs: d[1] / d[6].max(1.0),
+            alignment_secs: d[2],
+            backpressure_secs: d[3] / 1e6,
+            commits: d[4],
+            commit_secs: d[5] / d[4].max(1.0),
+        }
+    }
 }
 
 impl Figure {
@@ -196,6 +244,8 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
         secs: start.elapsed().as_secs_f64(),
         rss_mb: peak_rss_mb(),
         cpu: cpu.stop(),
+        read_secs: None,
+        checkpoints: None,
     }
 }
 
@@ -290,6 +340,7 @@ async fn job(
         .await
         .unwrap();
     let read0 = metric(handle, "tinyflow_kafka_records_read_total");
+    let costs0 = CheckpointCost::read(handle);
     let written0 = metric(handle, "tinyflow_iceberg_rows_written_total");
     reset_peak_rss();
     let running = tokio::spawn(plan.run());
@@ -299,25 +350,41 @@ async fn job(
     }
     let start = Instant::now();
     let cpu = CpuMeter::start();
+    let mut read_secs = None;
+    // Loading the table costs the job CPU: only after a commit.
+    let mut commits_seen = metric(handle, "tinyflow_iceberg_commits_total");
     loop {
         assert!(
             !running.is_finished(),
             "the job ended early: {:?}",
             running.await
         );
+        if read_secs.is_none()
+            && metric(handle, "tinyflow_kafka_records_read_total") - read0 >= n as f64
+        {
+            read_secs = Some(start.elapsed().as_secs_f64());
+        }
         let done = if commit {
-            total_records(&table).await >= n
+            let commits = metric(handle, "tinyflow_iceberg_commits_total");
+            commits > commits_seen && {
+                commits_seen = commits;
+                total_records(&table).await >= n
+            }
         } else {
             metric(handle, "tinyflow_iceberg_rows_written_total") - written0 >= n as f64
         };
         if done {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(if commit { 50 } else { 5 })).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let secs = start.elapsed().as_secs_f64();
     let cpu = cpu.stop();
     let rss_mb = peak_rss_mb();
+    let checkpoints = Some(CheckpointCost::between(
+        costs0,
+        CheckpointCost::read(handle),
+    ));
     running.abort();
     let _ = running.await;
     Figure {
@@ -325,6 +392,8 @@ async fn job(
         secs,
         rss_mb,
         cpu,
+        read_secs,
+        checkpoints,
     }
 }
 
@@ -378,6 +447,8 @@ fn python(topic: &BidsTopic, n: u64, dir: &Path) -> Option<Figure> {
         secs: v["seconds"].as_f64().unwrap(),
         rss_mb: v["peak_rss_mb"].as_f64().unwrap(),
         cpu: cpu.stop(),
+        read_secs: None,
+        checkpoints: None,
     })
 }
 
@@ -494,6 +565,8 @@ fn main() {
             secs: b.secs,
             rss_mb: b.rss_mb,
             cpu: cpu.stop(),
+            read_secs: None,
+            checkpoints: None,
         }
     });
     let job1s = on(3).then(|| {
@@ -553,6 +626,26 @@ fn main() {
             f.cpu.busy_cores,
             f.cpu_us_per_event()
         );
+        if let Some(read) = f.read_secs {
+            println!(
+                "{:<44} read every record in {read:.2} s ({:.3} M events/s), then {:.2} s to the end",
+                "",
+                f.events as f64 / read / 1e6,
+                f.secs - read
+            );
+        }
+        if let Some(c) = f.checkpoints {
+            println!(
+                "{:<44} {:.0} checkpoints ({:.0} ms each), {:.0} commits ({:.0} ms each); inputs held {:.2} s for alignment, tasks waited {:.2} s for room downstream",
+                "",
+                c.completed,
+                c.mean_secs * 1e3,
+                c.commits,
+                c.commit_secs * 1e3,
+                c.alignment_secs,
+                c.backpressure_secs
+            );
+        }
     };
     let rows = [
         ("(1) bare rdkafka consume loop", &bare),
