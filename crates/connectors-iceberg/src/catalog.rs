@@ -19,10 +19,10 @@ use iceberg_catalog_rest::{
 };
 use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
 use iceberg_storage_opendal::OpenDalResolvingStorageFactory;
-
-use crate::local_storage::{PendingSyncs, SyncedLocalStorageFactory};
 use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
+
+use crate::local_storage::{PendingSyncs, SyncedLocalStorageFactory};
 
 use crate::config::{
     CatalogConfig, ColumnType, CommitStep, Fault, FaultHook, IcebergSinkConfig, TableSpec,

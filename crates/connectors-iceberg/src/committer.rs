@@ -741,4 +741,41 @@ mod tests {
         );
         assert!(err.is_retryable());
     }
+
+    /// A commit on the commit thread is abandoned with the committer's
+    /// task, as it was in place; its panic reaches the committer's task.
+    #[tokio::test]
+    async fn a_dropped_commit_stops_on_the_commit_thread_and_a_panic_comes_back() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let finished = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&finished);
+        let commit = on_commit_thread("test", async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            flag.store(true, Ordering::SeqCst);
+            Ok(())
+        });
+        let dropped = tokio::time::timeout(Duration::from_millis(50), commit).await;
+        assert!(dropped.is_err(), "the commit should still be sleeping");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !finished.load(Ordering::SeqCst),
+            "the dropped commit ran on"
+        );
+
+        let ran = on_commit_thread("test", async { Ok(7) }).await;
+        assert_eq!(ran.ok(), Some(7));
+
+        let panicked = tokio::spawn(async {
+            on_commit_thread::<()>("test", async { panic!("injected panic in a commit") })
+                .await
+                .is_ok()
+        })
+        .await
+        .unwrap_err();
+        let payload = panicked.into_panic();
+        assert_eq!(
+            payload.downcast_ref::<&str>(),
+            Some(&"injected panic in a commit")
+        );
+    }
 }
