@@ -144,30 +144,21 @@ struct CheckpointCost {
 }
 
 impl CheckpointCost {
-    const SERIES: [&'static str; 7] = [
-        "tinyflow_checkpoints_completed_total",
-        "tinyflow_checkpoint_duration_seconds_sum",
-        "tinyflow_alignment_seconds_sum",
-        "tinyflow_backpressure_microseconds_total",
-        "tinyflow_iceberg_commits_total",
-        "tinyflow_iceberg_commit_seconds_sum",
-        "tinyflow_checkpoint_duration_seconds_count",
-    ];
-
-    fn read(handle: &PrometheusHandle) -> [f64; 7] {
-        let text = handle.render();
-        Self::SERIES.map(|name| tinyflow_cli::metric_sum(&text, name, None))
-    }
-
-    fn between(before: [f64; 7], after: [f64; 7]) -> Self {
-        let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    /// What changed between two renderings of the job's metrics.
+    fn between(before: &str, after: &str) -> Self {
+        let d = |name| {
+            tinyflow_cli::metric_sum(after, name, None)
+                - tinyflow_cli::metric_sum(before, name, None)
+        };
+        let commits = d("tinyflow_iceberg_commits_total");
         Self {
-            completed: d[0],
-            mean_secs: d[1] / d[6].max(1.0),
-            alignment_secs: d[2],
-            backpressure_secs: d[3] / 1e6,
-            commits: d[4],
-            commit_secs: d[5] / d[4].max(1.0),
+            completed: d("tinyflow_checkpoints_completed_total"),
+            mean_secs: d("tinyflow_checkpoint_duration_seconds_sum")
+                / d("tinyflow_checkpoint_duration_seconds_count").max(1.0),
+            alignment_secs: d("tinyflow_alignment_seconds_sum"),
+            backpressure_secs: d("tinyflow_backpressure_microseconds_total") / 1e6,
+            commits,
+            commit_secs: d("tinyflow_iceberg_commit_seconds_sum") / commits.max(1.0),
         }
     }
 }
@@ -340,7 +331,7 @@ async fn job(
         .await
         .unwrap();
     let read0 = metric(handle, "tinyflow_kafka_records_read_total");
-    let costs0 = CheckpointCost::read(handle);
+    let metrics0 = handle.render();
     let written0 = metric(handle, "tinyflow_iceberg_rows_written_total");
     reset_peak_rss();
     let running = tokio::spawn(plan.run());
@@ -359,19 +350,20 @@ async fn job(
             "the job ended early: {:?}",
             running.await
         );
-        if read_secs.is_none()
-            && metric(handle, "tinyflow_kafka_records_read_total") - read0 >= n as f64
-        {
+        // One rendering of the metrics per round: it costs the job CPU.
+        let text = handle.render();
+        let now = |name| tinyflow_cli::metric_sum(&text, name, None);
+        if read_secs.is_none() && now("tinyflow_kafka_records_read_total") - read0 >= n as f64 {
             read_secs = Some(start.elapsed().as_secs_f64());
         }
         let done = if commit {
-            let commits = metric(handle, "tinyflow_iceberg_commits_total");
+            let commits = now("tinyflow_iceberg_commits_total");
             commits > commits_seen && {
                 commits_seen = commits;
                 total_records(&table).await >= n
             }
         } else {
-            metric(handle, "tinyflow_iceberg_rows_written_total") - written0 >= n as f64
+            now("tinyflow_iceberg_rows_written_total") - written0 >= n as f64
         };
         if done {
             break;
@@ -381,10 +373,7 @@ async fn job(
     let secs = start.elapsed().as_secs_f64();
     let cpu = cpu.stop();
     let rss_mb = peak_rss_mb();
-    let checkpoints = Some(CheckpointCost::between(
-        costs0,
-        CheckpointCost::read(handle),
-    ));
+    let checkpoints = Some(CheckpointCost::between(&metrics0, &handle.render()));
     running.abort();
     let _ = running.await;
     Figure {
