@@ -25,6 +25,7 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use tinyflow_api::{
     CheckpointId, CheckpointStore, CompletedCheckpoint, CorruptReason, JobId, StateHandle,
@@ -148,6 +149,7 @@ impl Inner {
     }
 
     fn persist(&self, id: CheckpointId, bytes: &[u8]) -> StreamResult<()> {
+        let started = Instant::now();
         // Ids only grow: a lower one would be deleted by retention at once, or
         // be shadowed by a newer file on restore.
         if let Some(newest) = self.list()?.last()
@@ -183,7 +185,13 @@ impl Inner {
             remove_quietly(&target);
             return Err(io_err("syncing checkpoint directory", &self.dir)(e));
         }
-        tracing::debug!(checkpoint = %id, bytes = bytes.len(), path = %target.display(), "checkpoint metadata durable");
+        tracing::debug!(
+            checkpoint = %id,
+            bytes = bytes.len(),
+            path = %target.display(),
+            write_ms = started.elapsed().as_millis() as u64,
+            "checkpoint metadata durable"
+        );
         self.apply_retention();
         Ok(())
     }

@@ -527,6 +527,7 @@ impl Sink<DataFileMeta> for Committer {
         // The writers closed this checkpoint's files before they forwarded
         // its barrier; the checkpoint names them only once they are durable.
         // A failed sync (a full or failing disk) may pass: a restart retries.
+        let started = Instant::now();
         let synced = self
             .table
             .syncs
@@ -539,7 +540,13 @@ impl Sink<DataFileMeta> for Committer {
                 message: e.to_string(),
                 retryable: true,
             })?;
-        tracing::trace!(sink = %self.table.label(), checkpoint = %id, files = synced, "data files synced");
+        tracing::debug!(
+            sink = %self.table.label(),
+            checkpoint = %id,
+            files = synced,
+            wait_ms = started.elapsed().as_millis() as u64,
+            "data files synced"
+        );
         let positions = std::mem::take(&mut self.positions);
         if !self.current.is_empty() {
             self.pending.insert(
