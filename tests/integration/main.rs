@@ -18,6 +18,9 @@
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
 //!   points; committed output equals the expected output; keyed state across restore and
 //!   rescale.
+//! - `runtime_driver_thread`: where the checkpoint coordinator's driver runs (its own
+//!   thread on a multi-thread runtime, in place on a current-thread one) and what a panic
+//!   there does.
 //! - `runtime_metrics`: per-operator and checkpoint metrics through the `metrics` facade.
 //! - `runtime_windows`: event-time windows, watermarks, lateness and side output, and window
 //!   results across restore.
@@ -33,6 +36,7 @@ mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_sink;
 mod kafka_source;
+mod runtime_driver_thread;
 mod runtime_exactly_once;
 mod runtime_metrics;
 mod runtime_windows;

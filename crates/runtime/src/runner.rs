@@ -14,14 +14,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tinyflow_api::{
-    CheckpointId, CheckpointStore, FromTask, JobGraph, NodeId, NodeKind, OperatorContext,
-    Partitioning, SinkRestore, StreamError, SystemWallClock, TaskId, TaskRole, WallClock,
-    error_chain,
+    BoxFuture, CheckpointId, CheckpointStore, FromTask, JobGraph, NodeId, NodeKind,
+    OperatorContext, Partitioning, SinkRestore, StreamError, SystemWallClock, TaskId, TaskRole,
+    WallClock, error_chain,
 };
 use tinyflow_checkpoint::{
     CheckpointConfig, CoordinatorDriver, CoordinatorHandle, DriverConfig, Outcome,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::state::RestorePlan;
@@ -279,19 +279,26 @@ impl JobRunner {
         })?;
         drop(handle);
 
-        let run = driver.run_until_stopped(std::future::pending::<()>(), self.stop.requested());
+        let stop = self.stop.clone();
+        let (run, shutdown) = drive(&g.job_id, driver, async move { stop.requested().await });
         tokio::pin!(run);
-        let ended = loop {
+        let (ended, driver_ended) = loop {
             tokio::select! {
                 biased;
                 Some(joined) = tasks.join_next_with_id() => match joined {
                     Ok((_, Ok(()))) => {}
-                    Ok((_, Err(e))) => break Err(e),
-                    Err(j) => break Err(panic_error(&labels, j)),
+                    Ok((_, Err(e))) => break (Err(e), false),
+                    Err(j) => break (Err(panic_error(&labels, j)), false),
                 },
-                outcome = &mut run => break outcome.map_err(Error::from),
+                outcome = &mut run => break (outcome, true),
             }
         };
+        if !driver_ended {
+            // A task ended the attempt: the driver ends before the next
+            // attempt starts its own.
+            drop(shutdown);
+            let _ = run.await;
+        }
         match ended {
             Ok(Outcome::Finished { final_checkpoint }) => {
                 // The driver is gone, so every control channel closed: tasks
@@ -528,16 +535,96 @@ fn panic_error(labels: &HashMap<tokio::task::Id, String>, j: tokio::task::JoinEr
         .cloned()
         .unwrap_or_else(|| "<unknown>".into());
     let message = if j.is_panic() {
-        let payload = j.into_panic();
-        payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "non-string panic payload".into())
+        panic_message(j.into_panic().as_ref())
     } else {
         "cancelled".into()
     };
     Error::Panic { task, message }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+/// Runs the coordinator's driver until it ends or `shutdown` is dropped.
+///
+/// On a multi-thread runtime the driver gets a thread of its own: the
+/// workers are busy with tasks that may poll for milliseconds at a time
+/// (decoding, encoding Parquet), and a driver queued behind them would
+/// trigger late and complete checkpoints late (it was 130 ms late per
+/// checkpoint in the pipeline bench). On a current-thread runtime (tests,
+/// paused clocks) it runs in place, on that runtime's clock.
+fn drive(
+    job: &tinyflow_api::JobId,
+    driver: CoordinatorDriver,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> (BoxFuture<Result<Outcome>>, oneshot::Sender<()>) {
+    let (shutdown, dropped) = oneshot::channel::<()>();
+    let run = driver.run_until_stopped(
+        async move {
+            let _ = dropped.await;
+        },
+        stop,
+    );
+    let in_place = |run| -> BoxFuture<Result<Outcome>> { Box::pin(async move { Ok(run.await?) }) };
+    let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+    if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
+        return (in_place(run), shutdown);
+    }
+    // The driver goes to the thread through a slot, so that it comes back
+    // here if the thread cannot be started.
+    let slot = Arc::new(std::sync::Mutex::new(Some(run)));
+    let theirs = Arc::clone(&slot);
+    let (done, outcome) = oneshot::channel();
+    let spawned = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .and_then(|rt| {
+            std::thread::Builder::new()
+                .name("tinyflow-coordinator".into())
+                .spawn(move || {
+                    let run = theirs.lock().map(|mut run| run.take());
+                    if let Ok(Some(run)) = run {
+                        let _ = done.send(rt.block_on(run));
+                    }
+                })
+        });
+    let thread = match spawned {
+        Ok(thread) => thread,
+        Err(e) => {
+            tracing::warn!(job = %job, error = %e, "no thread for the checkpoint coordinator; it runs on the job's runtime");
+            let run = slot.lock().map(|mut run| run.take());
+            let Ok(Some(run)) = run else {
+                // The thread took the driver after all: wait for it as usual.
+                return (Box::pin(wait_for(outcome, None)), shutdown);
+            };
+            return (in_place(run), shutdown);
+        }
+    };
+    (Box::pin(wait_for(outcome, Some(thread))), shutdown)
+}
+
+/// The outcome of a driver on its own thread; a panic there fails the
+/// attempt, as a task's panic does.
+async fn wait_for(
+    outcome: oneshot::Receiver<tinyflow_checkpoint::Result<Outcome>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+) -> Result<Outcome> {
+    if let Ok(outcome) = outcome.await {
+        return Ok(outcome?);
+    }
+    let message = match thread.map(std::thread::JoinHandle::join) {
+        Some(Err(payload)) => panic_message(payload.as_ref()),
+        _ => "its thread ended without an outcome".into(),
+    };
+    Err(Error::Panic {
+        task: "checkpoint coordinator".into(),
+        message,
+    })
 }
 
 #[cfg(test)]

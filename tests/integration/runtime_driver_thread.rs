@@ -1,0 +1,157 @@
+//! Where the checkpoint coordinator's driver runs. On a multi-thread runtime
+//! it has a thread of its own, so that triggers and completions do not queue
+//! behind tasks that poll for long stretches; on a current-thread runtime it
+//! runs in place, on that runtime's (possibly paused) clock. The store's
+//! `persist` is polled by the driver, so the thread that polls it tells
+//! where the driver runs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+use tinyflow_api::{
+    CheckpointId, CheckpointStore, CompletedCheckpoint, JobBuilder, JobId, StreamResult,
+};
+use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_tests::ms;
+
+const INJECTED: &str = "injected failure";
+const EXPLODED: &str = "injected: the store exploded";
+
+/// A memory store that notes the thread each write runs on, and can panic.
+#[derive(Debug, Clone, Default)]
+struct NotingStore {
+    inner: MemoryCheckpointStore,
+    threads: Arc<Mutex<Vec<String>>>,
+    panic: bool,
+}
+
+impl NotingStore {
+    fn threads(&self) -> Vec<String> {
+        self.threads.lock().unwrap().clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl CheckpointStore for NotingStore {
+    async fn persist(&self, checkpoint: &CompletedCheckpoint) -> StreamResult<()> {
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("<unnamed>")
+            .to_owned();
+        self.threads.lock().unwrap().push(name);
+        assert!(!self.panic, "{EXPLODED}");
+        self.inner.persist(checkpoint).await
+    }
+
+    async fn latest(&self) -> StreamResult<Option<CompletedCheckpoint>> {
+        self.inner.latest().await
+    }
+
+    async fn highest_id(&self) -> StreamResult<Option<CheckpointId>> {
+        self.inner.highest_id().await
+    }
+}
+
+/// Numbers through a map (that panics once, at record 3,000, when `fail`)
+/// into a committing sink; checkpoints every 5 ms.
+async fn run_job(
+    store: &NotingStore,
+    restart: RestartStrategy,
+    fail: bool,
+) -> (
+    Result<tinyflow_runtime::JobReport, Error>,
+    CollectingSink<u64>,
+) {
+    let sink = CollectingSink::<u64>::new();
+    let failed = Arc::new(AtomicBool::new(!fail));
+    let job = JobBuilder::new(JobId::new("driver-thread").unwrap());
+    job.source(
+        "numbers",
+        2,
+        VecSource::new(vec![(0..5_000u64).collect(), (5_000..10_000u64).collect()]).batch_size(100),
+    )
+    .map("fails-once", move |n: u64| {
+        if n == 3_000 && !failed.swap(true, Ordering::SeqCst) {
+            panic!("{INJECTED} at record {n}");
+        }
+        n
+    })
+    .rebalance()
+    .sink("out", 1, sink.clone());
+    let mut config = RuntimeConfig {
+        channel_capacity: 2,
+        restart,
+        ..RuntimeConfig::default()
+    };
+    config.checkpoint.interval = Some(ms(5));
+    let report = JobRunner::new(job.build().unwrap(), Arc::new(store.clone()), config)
+        .run()
+        .await;
+    (report, sink)
+}
+
+fn restarts() -> RestartStrategy {
+    RestartStrategy::FixedDelay {
+        delay: ms(10),
+        max_attempts: 5,
+    }
+}
+
+fn sorted(mut v: Vec<u64>) -> Vec<u64> {
+    v.sort_unstable();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_multi_thread_runtime_the_driver_has_a_thread_of_its_own() {
+    tinyflow_tests::quiet_panics_containing(INJECTED);
+    let store = NotingStore::default();
+    let (report, sink) = run_job(&store, restarts(), true).await;
+    let report = report.unwrap();
+    // The injected panic failed the first attempt; the second finished, with
+    // its own driver once the first one had ended.
+    assert_eq!(report.attempts, 2);
+    assert_eq!(sorted(sink.committed()), (0..10_000).collect::<Vec<_>>());
+    let threads = store.threads();
+    assert!(!threads.is_empty());
+    assert!(
+        threads.iter().all(|t| t == "tinyflow-coordinator"),
+        "{threads:?}"
+    );
+    let ids = store.inner.attempted_ids();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+}
+
+#[tokio::test]
+async fn on_a_current_thread_runtime_the_driver_runs_in_place() {
+    tinyflow_tests::quiet_panics_containing(INJECTED);
+    let here = std::thread::current().name().unwrap().to_owned();
+    let store = NotingStore::default();
+    let (report, sink) = run_job(&store, restarts(), true).await;
+    assert_eq!(report.unwrap().attempts, 2);
+    assert_eq!(sorted(sink.committed()), (0..10_000).collect::<Vec<_>>());
+    let threads = store.threads();
+    assert!(!threads.is_empty());
+    assert!(threads.iter().all(|t| *t == here), "{here}: {threads:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_on_the_driver_thread_fails_the_attempt_with_its_message() {
+    tinyflow_tests::quiet_panics_containing(EXPLODED);
+    let store = NotingStore {
+        panic: true,
+        ..NotingStore::default()
+    };
+    let (report, _) = run_job(&store, RestartStrategy::None, false).await;
+    let Err(Error::JobFailed { cause, .. }) = report else {
+        panic!("expected the job to fail, got {report:?}");
+    };
+    match *cause {
+        Error::Panic { task, message } => {
+            assert_eq!(task, "checkpoint coordinator");
+            assert!(message.contains(EXPLODED), "{message}");
+        }
+        other => panic!("expected the driver's panic, got {other:?}"),
+    }
+}
