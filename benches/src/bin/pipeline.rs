@@ -14,8 +14,8 @@
 //!    as a user might script it (`benches/python/bids_loop.py`);
 //!
 //! then the append-to-visible latency: bids produced at a steady rate while
-//! the job runs with 1 s checkpoints, from its first completed checkpoint
-//! on; each bid's latency is the commit time of the snapshot that first
+//! the job runs with 1 s checkpoints, once it has read a first bid from
+//! every partition; each bid's latency is the commit time of the snapshot that first
 //! holds it minus the time it was produced (p50/p99/max, and p99/max by
 //! second of production, which shows a slow checkpoint as one bad second).
 //! Peak RSS (VmHWM, reset before each variant) per variant; the reset cannot
@@ -42,6 +42,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arrow_json::ReaderBuilder;
@@ -483,25 +484,34 @@ async fn latency(
     let reader = TableReader::open(&plan.sink.catalog, "bench", "bids")
         .await
         .unwrap();
-    let completed = |name| metric(handle, name);
-    let checkpoints0 = completed("tinyflow_checkpoints_completed_total");
+    let read0 = metric(handle, "tinyflow_kafka_records_read_total");
     let running = tokio::spawn(plan.run());
-    // Produce once the job runs: a completed checkpoint has passed through
-    // every source task, so each has its partitions assigned.
-    while completed("tinyflow_checkpoints_completed_total") <= checkpoints0 {
-        assert!(
-            !running.is_finished(),
-            "the latency job ended before its first checkpoint"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let produce_start_ms = now_ms();
+    // Time only a running job: a bid per partition (ids from n on, left out
+    // of the figures) must have been read first. The first fetches from a
+    // topic just created can wait a second for its metadata.
+    let warmup: Vec<(i32, Vec<u8>)> = bids()
+        .take(partitions as usize)
+        .zip(0..partitions)
+        .map(|(mut b, p)| {
+            b.id = n + p as u64;
+            (p, serde_json::to_vec(&b).unwrap())
+        })
+        .collect();
+    // The same producer sends the warm-up and the timed bids: a new
+    // idempotent producer takes a while to get its producer id.
+    let go = Arc::new(AtomicBool::new(false));
     let sent_at: Arc<std::sync::Mutex<Vec<i64>>> = Arc::default();
     let producer = {
-        let (sent_at, topic) = (Arc::clone(&sent_at), topic.clone());
+        let (sent_at, topic, go) = (Arc::clone(&sent_at), topic.clone(), Arc::clone(&go));
         std::thread::spawn(move || {
-            let start = Instant::now();
-            let values = bids().take(n as usize).map(move |b| {
+            let mut start = None;
+            let timed = bids().take(n as usize).map(move |b| {
+                let start = *start.get_or_insert_with(|| {
+                    while !go.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Instant::now()
+                });
                 let due = Duration::from_secs_f64(b.id as f64 / rate as f64);
                 if let Some(wait) = due.checked_sub(start.elapsed()) {
                     std::thread::sleep(wait);
@@ -516,11 +526,17 @@ async fn latency(
                 &bootstrap(),
                 &topic,
                 &[("linger.ms", "5")],
-                values,
+                warmup.into_iter().chain(timed),
             )
         })
     };
-    while total_records(&reader).await < n {
+    while metric(handle, "tinyflow_kafka_records_read_total") - read0 < f64::from(partitions) {
+        assert!(!running.is_finished(), "the latency job ended early");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let produce_start_ms = now_ms();
+    go.store(true, Ordering::Release);
+    while total_records(&reader).await < n + partitions as u64 {
         assert!(!running.is_finished(), "the latency job ended early");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -540,7 +556,7 @@ async fn latency(
             .await
             .unwrap();
         for id in ids {
-            if seen.insert(id) {
+            if (id as u64) < n && seen.insert(id) {
                 let sent = sent[id as usize];
                 let l = s.timestamp_ms() - sent;
                 lat.push(l);
