@@ -7,8 +7,12 @@
 //! 3. the tinyflow job end to end (the same job `tinyflow run` runs from a
 //!    job file: Kafka -> compute price_eur -> Iceberg in a sqlite catalog),
 //!    checkpoints (and commits) every 1 s, timed from the first record read
-//!    to the moment the table's current snapshot holds every record;
-//! 4. the same with checkpoints off (interval 1 h: nothing is committed),
+//!    to the moment the table's current snapshot holds every record; the job
+//!    is bounded (`source.bounded`): it knows where the topic ends, as the
+//!    Python loop does, and ends with a final checkpoint and commit instead
+//!    of waiting for the next one on the 1 s grid;
+//! 4. the same with checkpoints off (interval 1 h: nothing is committed
+//!    before the end),
 //!    timed to the last row handed to the Parquet writers;
 //! 5. a Python loop with confluent-kafka and pyiceberg doing the same job
 //!    as a user might script it (`benches/python/bids_loop.py`);
@@ -245,7 +249,16 @@ fn decode_and_write(n: u64, dir: &Path) -> Figure {
     }
 }
 
-fn job_text(topic: &str, partitions: i32, dir: &Path, interval: &str, knobs: &Knobs) -> String {
+/// The bench's job file; `bounded`: read to the topic's end, then a final
+/// checkpoint and commit, and the job ends.
+fn job_text(
+    topic: &str,
+    partitions: i32,
+    dir: &Path,
+    interval: &str,
+    bounded: bool,
+    knobs: &Knobs,
+) -> String {
     let props: Vec<String> = knobs
         .props
         .split(',')
@@ -269,6 +282,7 @@ parallelism = 2
 bootstrap_servers = "{bootstrap}"
 topics = ["{topic}"]
 parallelism = {partitions}
+bounded = {bounded}
 {batch}
 properties = {{ {props} }}
 fields = [
@@ -325,7 +339,7 @@ async fn job(
     handle: &PrometheusHandle,
 ) -> Figure {
     let plan = JobFile::parse(
-        &job_text(&topic.name, topic.partitions, dir, interval, knobs),
+        &job_text(&topic.name, topic.partitions, dir, interval, true, knobs),
         "bench",
     )
     .unwrap()
@@ -350,11 +364,8 @@ async fn job(
     // Loading the table costs the job CPU: only after a commit.
     let mut commits_seen = metric(handle, "tinyflow_iceberg_commits_total");
     loop {
-        assert!(
-            !running.is_finished(),
-            "the job ended early: {:?}",
-            running.await
-        );
+        // A bounded job ends by itself once its last commit is done.
+        let finished = running.is_finished();
         // One rendering of the metrics per round: it costs the job CPU.
         let text = handle.render();
         let now = |name| tinyflow_cli::metric_sum(&text, name, None);
@@ -373,6 +384,7 @@ async fn job(
         if done {
             break;
         }
+        assert!(!finished, "the job ended early: {:?}", running.await);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let secs = start.elapsed().as_secs_f64();
@@ -477,10 +489,13 @@ async fn latency(
         .await
         .unwrap();
     let n = rate * secs;
-    let plan = JobFile::parse(&job_text(&topic, partitions, dir, "1s", knobs), "latency")
-        .unwrap()
-        .plan()
-        .unwrap();
+    let plan = JobFile::parse(
+        &job_text(&topic, partitions, dir, "1s", false, knobs),
+        "latency",
+    )
+    .unwrap()
+    .plan()
+    .unwrap();
     let reader = TableReader::open(&plan.sink.catalog, "bench", "bids")
         .await
         .unwrap();

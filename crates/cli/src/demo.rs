@@ -86,6 +86,7 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
             start: None,
             format: None,
             bad_records: None,
+            bounded: false,
             strict: false,
             metadata_columns: false,
             parallelism: None,

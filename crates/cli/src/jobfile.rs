@@ -67,6 +67,10 @@ pub struct SourceSection {
     pub format: Option<String>,
     /// `fail` (default), `skip` or `dead-letter:<topic>`.
     pub bad_records: Option<String>,
+    /// Read up to the partitions' end offsets at start, then take a final
+    /// checkpoint, commit and end (default false: run until stopped).
+    #[serde(default)]
+    pub bounded: bool,
     /// Unknown JSON fields make a record bad (default false: ignored).
     #[serde(default)]
     pub strict: bool,

@@ -140,6 +140,7 @@ fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobF
             }
         },
     };
+    c.bounded = s.bounded;
     c.bad_records = match s.bad_records.as_deref().map(str::trim) {
         None | Some("fail") => BadRecordPolicy::Fail,
         Some("skip") => BadRecordPolicy::Skip,

@@ -10,6 +10,9 @@
 //! the table: N rows, N distinct ids, and sums of ids and prices equal to
 //! what was produced.
 //!
+//! Beside it, a bounded job (`source.bounded = true`) run the same way must
+//! end by itself with every record committed once.
+//!
 //! It lives in the CLI crate so that cargo builds the binary for it, in the
 //! same build as every other test.
 //!
@@ -52,7 +55,9 @@ fn tinyflow_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_tinyflow"))
 }
 
-fn job_file(dir: &Path, bootstrap: &str) -> PathBuf {
+/// The job: `topic` into `chaos.bids`; `source_extra` is added to its
+/// `[source]` section.
+fn job_file(dir: &Path, bootstrap: &str, topic: &str, source_extra: &str) -> PathBuf {
     let text = format!(
         r#"
 [job]
@@ -61,7 +66,8 @@ parallelism = 2
 
 [source]
 bootstrap_servers = "{bootstrap}"
-topics = ["{TOPIC}"]
+topics = ["{topic}"]
+{source_extra}
 fields = [
   {{ name = "id", type = "long", required = true }},
   {{ name = "price", type = "long", required = true }},
@@ -204,6 +210,68 @@ fn price_of(id: u64) -> u64 {
     100 + id * 7 % 9_900
 }
 
+fn bid_json(id: u64) -> Vec<u8> {
+    format!(
+        r#"{{"id":{id},"price":{},"pad":"{}"}}"#,
+        price_of(id),
+        "x".repeat(64)
+    )
+    .into_bytes()
+}
+
+/// `source.bounded = true`: `tinyflow run` reads up to the end offsets it
+/// found at start, takes a final checkpoint, commits it and exits 0 by
+/// itself (a backfill). On the shared broker (`KAFKA_BOOTSTRAP`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_job_reads_to_the_end_commits_and_exits() {
+    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
+    let topic = format!(
+        "bounded-bids-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+    );
+    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    let n = 20_000u64;
+    produce_stream(
+        &bootstrap,
+        &topic,
+        &[],
+        (0..n).map(|id| ((id % PARTITIONS as u64) as i32, bid_json(id))),
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = job_file(&dir, &bootstrap, &topic, "bounded = true");
+    let mut run = Run::start(&job, &dir, 0);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = run.child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            run.child.kill().unwrap();
+            panic!(
+                "a bounded job still ran after 120 s; its log: {}",
+                std::fs::read_to_string(&run.log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let log = std::fs::read_to_string(&run.log).unwrap_or_default();
+    assert!(status.success(), "exit {status}; its log: {log}");
+    let table = tinyflow_tests::pyiceberg_read(&dir, "chaos.bids", &["id", "price"]);
+    assert_eq!(table["rows"], n, "{table}");
+    assert_eq!(table["distinct_ids"], n, "{table}");
+    assert_eq!(table["id_sum"], (0..n).sum::<u64>(), "{table}");
+    assert_eq!(
+        table["value_sum"],
+        (0..n).map(price_of).sum::<u64>(),
+        "{table}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_record_once() {
     let kills = env_count("TINYFLOW_CHAOS_KILLS", 10).max(10);
@@ -213,7 +281,7 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
     create_topic(&bootstrap, TOPIC, PARTITIONS).await.unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
-    let job = job_file(&dir, &bootstrap);
+    let job = job_file(&dir, &bootstrap, TOPIC, "");
 
     // Produced while the job is killed and restarted: a quarter of N up
     // front, then at N/kills a second until the kills are over and at least
@@ -236,12 +304,7 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
                             std::thread::sleep(wait);
                         }
                     }
-                    let value = format!(
-                        r#"{{"id":{id},"price":{},"pad":"{}"}}"#,
-                        price_of(id),
-                        "x".repeat(64)
-                    );
-                    ((id % PARTITIONS as u64) as i32, value.into_bytes())
+                    ((id % PARTITIONS as u64) as i32, bid_json(id))
                 });
             produce_stream(&bootstrap, TOPIC, &[], records)
         })
