@@ -19,9 +19,10 @@
 //!
 //! then the append-to-visible latency: bids produced at a steady rate while
 //! the job runs with 1 s checkpoints, once it has read a first bid from
-//! every partition; each bid's latency is the commit time of the snapshot that first
-//! holds it minus the time it was produced (p50/p99/max, and p99/max by
-//! second of production, which shows a slow checkpoint as one bad second).
+//! every partition; each bid's latency is the commit time of the snapshot
+//! that first holds it minus the time it was produced (p50/p99/max, and
+//! p99/max by second of production, which shows a slow checkpoint as one
+//! bad second).
 //! Peak RSS (VmHWM, reset before each variant) per variant; the reset cannot
 //! take back memory an earlier variant left with the allocator, so the jobs
 //! run right after the light bare loop, and
@@ -465,8 +466,6 @@ fn now_ms() -> i64 {
         .as_millis() as i64
 }
 
-/// Append-to-visible latency in ms (sorted), from a fresh topic fed at
-/// `rate` bids/s for `secs` while the job commits every second.
 /// Each bid's append-to-visible latency, in ms, with the second (from the
 /// start of production) in which it was produced.
 struct Latencies {
@@ -476,6 +475,8 @@ struct Latencies {
     by_second: Vec<Vec<i64>>,
 }
 
+/// Append-to-visible latency, from a fresh topic fed at `rate` bids/s for
+/// `secs` while the job commits every second.
 async fn latency(
     knobs: &Knobs,
     partitions: i32,
@@ -502,8 +503,7 @@ async fn latency(
     let read0 = metric(handle, "tinyflow_kafka_records_read_total");
     let running = tokio::spawn(plan.run());
     // Time only a running job: a bid per partition (ids from n on, left out
-    // of the figures) must have been read first. The first fetches from a
-    // topic just created can wait a second for its metadata.
+    // of the figures) must have been read first.
     let warmup: Vec<(i32, Vec<u8>)> = bids()
         .take(partitions as usize)
         .zip(0..partitions)

@@ -534,15 +534,19 @@ fn panic_error(labels: &HashMap<tokio::task::Id, String>, j: tokio::task::JoinEr
         .get(&j.id())
         .cloned()
         .unwrap_or_else(|| "<unknown>".into());
-    let message = if j.is_panic() {
-        panic_message(j.into_panic().as_ref())
-    } else {
-        "cancelled".into()
-    };
-    Error::Panic { task, message }
+    Error::Panic {
+        task,
+        message: join_message(j),
+    }
 }
 
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+/// What ended a task that did not return: its panic's message, or
+/// "cancelled".
+fn join_message(j: tokio::task::JoinError) -> String {
+    if !j.is_panic() {
+        return "cancelled".into();
+    }
+    let payload = j.into_panic();
     payload
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -557,7 +561,9 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// (decoding, encoding Parquet), and a driver queued behind them would
 /// trigger late and complete checkpoints late (it was 130 ms late per
 /// checkpoint in the pipeline bench). On a current-thread runtime (tests,
-/// paused clocks) it runs in place, on that runtime's clock.
+/// paused clocks) it runs in place, on that runtime's clock. Dropping the
+/// returned future drops the driver, as dropping it in place would; a panic
+/// in it fails the attempt, as a task's panic does.
 fn drive(
     job: &tinyflow_api::JobId,
     driver: CoordinatorDriver,
@@ -570,61 +576,50 @@ fn drive(
         },
         stop,
     );
-    let in_place = |run| -> BoxFuture<Result<Outcome>> { Box::pin(async move { Ok(run.await?) }) };
     let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
-    if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
-        return (in_place(run), shutdown);
-    }
-    // The driver goes to the thread through a slot, so that it comes back
-    // here if the thread cannot be started.
-    let slot = Arc::new(std::sync::Mutex::new(Some(run)));
-    let theirs = Arc::clone(&slot);
-    let (done, outcome) = oneshot::channel();
-    let spawned = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .and_then(|rt| {
-            std::thread::Builder::new()
-                .name("tinyflow-coordinator".into())
-                .spawn(move || {
-                    let run = theirs.lock().map(|mut run| run.take());
-                    if let Ok(Some(run)) = run {
-                        let _ = done.send(rt.block_on(run));
-                    }
-                })
-        });
-    let thread = match spawned {
-        Ok(thread) => thread,
-        Err(e) => {
-            tracing::warn!(job = %job, error = %e, "no thread for the checkpoint coordinator; it runs on the job's runtime");
-            let run = slot.lock().map(|mut run| run.take());
-            let Ok(Some(run)) = run else {
-                // The thread took the driver after all: wait for it as usual.
-                return (Box::pin(wait_for(outcome, None)), shutdown);
-            };
-            return (in_place(run), shutdown);
+    let thread = if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
+        None
+    } else {
+        // A current-thread runtime that its thread drives until `keep` is
+        // dropped; the driver is spawned onto it only once the thread runs.
+        let started = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .and_then(|rt| {
+                let handle = rt.handle().clone();
+                let (keep, kept) = oneshot::channel::<()>();
+                std::thread::Builder::new()
+                    .name("tinyflow-coordinator".into())
+                    .spawn(move || {
+                        rt.block_on(async move {
+                            let _ = kept.await;
+                        });
+                    })?;
+                Ok((handle, keep))
+            });
+        match started {
+            Ok(thread) => Some(thread),
+            Err(e) => {
+                tracing::warn!(job = %job, error = %e, "no thread for the checkpoint coordinator; it runs on the job's runtime");
+                None
+            }
         }
     };
-    (Box::pin(wait_for(outcome, Some(thread))), shutdown)
-}
-
-/// The outcome of a driver on its own thread; a panic there fails the
-/// attempt, as a task's panic does.
-async fn wait_for(
-    outcome: oneshot::Receiver<tinyflow_checkpoint::Result<Outcome>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-) -> Result<Outcome> {
-    if let Ok(outcome) = outcome.await {
-        return Ok(outcome?);
-    }
-    let message = match thread.map(std::thread::JoinHandle::join) {
-        Some(Err(payload)) => panic_message(payload.as_ref()),
-        _ => "its thread ended without an outcome".into(),
+    let Some((handle, keep)) = thread else {
+        return (Box::pin(async move { Ok(run.await?) }), shutdown);
     };
-    Err(Error::Panic {
-        task: "checkpoint coordinator".into(),
-        message,
-    })
+    let task = handle.spawn(run);
+    let run = async move {
+        let _keep = keep;
+        match task.await {
+            Ok(outcome) => Ok(outcome?),
+            Err(j) => Err(Error::Panic {
+                task: "checkpoint coordinator".into(),
+                message: join_message(j),
+            }),
+        }
+    };
+    (Box::pin(run), shutdown)
 }
 
 #[cfg(test)]
