@@ -91,6 +91,10 @@ fn parse_args() -> Args {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
         if flag == "--skip-python" {
             a.python = false;
             continue;
@@ -99,21 +103,42 @@ fn parse_args() -> Args {
             a.source_props = it.next().expect("--source-props needs k=v,k=v");
             continue;
         }
+        if !NUMERIC.contains(&flag.as_str()) {
+            usage_error(&format!("unknown option {flag}"));
+        }
         let v: u64 = it
             .next()
             .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{flag} needs a number"));
+            .unwrap_or_else(|| usage_error(&format!("{flag} needs a whole number")));
         match flag.as_str() {
             "--records" => a.records = v,
             "--partitions" => a.partitions = v as i32,
             "--latency-rate" => a.latency_rate = v,
             "--latency-secs" => a.latency_secs = v,
             "--only" => a.only.push(v),
-            "--batch-size" => a.batch_size = Some(v),
-            other => panic!("unknown option {other}; see the file's header"),
+            _ => a.batch_size = Some(v),
         }
     }
     a
+}
+
+const USAGE: &str = "usage: pipeline [--records N] [--partitions N] [--latency-rate N] \
+[--latency-secs N] [--skip-python] [--only 1..6]... [--source-props k=v,...] [--batch-size N]
+(start the broker with `cargo xtask kafka start` and export the line it prints first)";
+
+/// The options that take a whole number.
+const NUMERIC: [&str; 6] = [
+    "--records",
+    "--partitions",
+    "--latency-rate",
+    "--latency-secs",
+    "--only",
+    "--batch-size",
+];
+
+fn usage_error(what: &str) -> ! {
+    eprintln!("pipeline: {what}\n{USAGE}");
+    std::process::exit(2);
 }
 
 /// Settings of the job variants beyond the defaults.
