@@ -9,7 +9,8 @@ is a REST catalog server's `http://host:port` (WAREHOUSE, when not empty,
 the warehouse to ask it for). The variable TINYFLOW_CATALOG_PROPERTIES, when
 set, holds further catalog properties as a JSON object (`s3.endpoint`,
 `s3.access-key-id`, ... for a warehouse on S3). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
-value_sum (the sum of SUM_COLUMN, when given),
+value_sum (the sum of SUM_COLUMN, when given), files (the data files of
+the current snapshot),
 partitions (the distinct partition values of the data files, each
 {field: value as a string}, sorted), snapshots (each
 snapshot's summary, oldest first), properties (the table's).
@@ -36,10 +37,11 @@ def main() -> None:
     table = catalog.load_table(table_name)
     data = table.scan().to_arrow()
     ids = data.column(id_column).to_pylist() if data.num_rows else []
+    files = table.inspect.files().to_pylist()
     partitions = sorted(
         {
             json.dumps({k: str(v) for k, v in row["partition"].items()}, sort_keys=True)
-            for row in table.inspect.files().to_pylist()
+            for row in files
         }
     )
     snapshots = sorted(table.snapshots(), key=lambda s: (s.sequence_number, s.timestamp_ms))
@@ -54,6 +56,7 @@ def main() -> None:
                 "value_sum": sum(data.column(sum_column).to_pylist())
                 if sum_column and data.num_rows
                 else None,
+                "files": len(files),
                 "partitions": [json.loads(p) for p in partitions],
                 "snapshots": [
                     {k: v for k, v in (s.summary.additional_properties or {}).items()}

@@ -11,7 +11,11 @@
 //! what was produced.
 //!
 //! Beside it, a bounded job (`source.bounded = true`) run the same way must
-//! end by itself with every record committed once.
+//! end by itself with every record committed once; and the same job on a
+//! disk too small for its data (a 512 KiB tmpfs; the test needs root to
+//! mount it) must fail its attempts with an error naming the file and the
+//! full disk, clean up after each, and finish with every record once when
+//! the disk grows.
 //!
 //! It lives in the CLI crate so that cargo builds the binary for it, in the
 //! same build as every other test.
@@ -56,9 +60,16 @@ fn tinyflow_bin() -> PathBuf {
 }
 
 /// The job: `topic` into `chaos.bids`; `source_extra` is added to its
-/// `[source]` section.
+/// `[source]` section. Writes it to `dir/job.toml`.
 fn job_file(dir: &Path, bootstrap: &str, topic: &str, source_extra: &str) -> PathBuf {
-    let text = format!(
+    let path = dir.join("job.toml");
+    std::fs::write(&path, job_text(dir, bootstrap, topic, source_extra)).unwrap();
+    path
+}
+
+/// The job's text, with its catalog, warehouse and checkpoints in `dir`.
+fn job_text(dir: &Path, bootstrap: &str, topic: &str, source_extra: &str) -> String {
+    format!(
         r#"
 [job]
 name = "chaos"
@@ -93,10 +104,7 @@ delay = "500ms"
 max_attempts = 1000
 "#,
         dir = dir.display()
-    );
-    let path = dir.join("job.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    )
 }
 
 /// A running `tinyflow run` and the lines of its stderr.
@@ -438,4 +446,175 @@ async fn killed_again_and_again_with_a_broker_restart_the_table_holds_each_recor
     assert_eq!(table["distinct_ids"], n, "{table}");
     assert_eq!(table["id_sum"], id_sum, "{table}");
     assert_eq!(table["value_sum"], price_sum, "{table}");
+}
+
+/// A tmpfs mounted for a test, unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(at: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(at).unwrap();
+        let out = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size}"),
+                "tinyflow-test",
+            ])
+            .arg(at)
+            .output()
+            .unwrap_or_else(|e| panic!("running mount: {e}"));
+        assert!(
+            out.status.success(),
+            "the full-disk test mounts a {size} tmpfs at {} and needs root (or CAP_SYS_ADMIN) \
+             for it; mount said: {}",
+            at.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Tmpfs(at.to_path_buf())
+    }
+
+    fn resize(&self, size: &str) {
+        let out = Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(&self.0)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "growing the tmpfs at {} to {size} failed: {}",
+            self.0.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A full disk: the job's catalog, warehouse and checkpoints on a 512 KiB
+/// tmpfs, and 20,000 bids whose random padding makes their Parquet files
+/// outgrow it. Each attempt must fail with an error that names the file it
+/// could not write and says the disk is full, the job must restart (not
+/// give up: the disk may get room), and each restart must delete the dead
+/// attempts' files, or the disk would stay full of them. Once the tmpfs
+/// grows, the same run must finish with every record once, read by pyiceberg.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_full_disk_the_job_fails_clearly_cleans_up_and_resumes_once_there_is_room() {
+    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
+    let topic = format!(
+        "full-disk-bids-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+    );
+    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    let n = 20_000u64;
+    let mut rng = SplitMix64::new(7);
+    let bids: Vec<_> = (0..n)
+        .map(|id| {
+            let pad = format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64());
+            let json = format!(
+                r#"{{"id":{id},"price":{},"pad":"{pad}{pad}"}}"#,
+                price_of(id)
+            );
+            ((id % PARTITIONS as u64) as i32, json.into_bytes())
+        })
+        .collect();
+    produce_stream(&bootstrap, &topic, &[], bids.into_iter()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let disk_dir = dir.join("disk");
+    let disk = Tmpfs::mount(&disk_dir, "512k");
+    let job = dir.join("job.toml");
+    std::fs::write(
+        &job,
+        job_text(&disk_dir, &bootstrap, &topic, "bounded = true"),
+    )
+    .unwrap();
+    let mut run = Run::start(&job, &dir, 0);
+
+    let full = "No space left on device";
+    assert!(
+        run.wait_for(full, Duration::from_secs(60)),
+        "no `{full}` error within 60 s; the log: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
+    // Two more failed attempts, each after a cleanup of the ones before.
+    for _ in 0..2 {
+        assert!(
+            run.wait_for("deleted orphan data files", Duration::from_secs(60)),
+            "no restart cleaned up the failed attempts' files; the log: {}",
+            std::fs::read_to_string(&run.log).unwrap_or_default()
+        );
+    }
+    run.assert_alive();
+    let log = std::fs::read_to_string(&run.log).unwrap();
+    let data_dir = disk_dir.join("warehouse/chaos/bids/data");
+    let named = log
+        .lines()
+        .find(|l| l.contains(full))
+        .unwrap_or_else(|| panic!("the `{full}` line is not in the log file: {log}"));
+    assert!(
+        named.contains(&format!("writing {}/", data_dir.display()))
+            || named.contains(&format!(
+                "writing checkpoint metadata to {}",
+                disk_dir.display()
+            )),
+        "the error names no file it could not write: {named}"
+    );
+    assert!(
+        log.contains("restarting from the newest completed checkpoint"),
+        "the job did not restart after the full disk: {log}"
+    );
+
+    disk.resize("64m");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = run.child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            run.child.kill().unwrap();
+            panic!(
+                "the job did not finish within 120 s of the disk growing; its log: {}",
+                std::fs::read_to_string(&run.log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let log = std::fs::read_to_string(&run.log).unwrap_or_default();
+    assert!(status.success(), "exit {status}; its log: {log}");
+    let table = tinyflow_tests::pyiceberg_read(&disk_dir, "chaos.bids", &["id", "price"]);
+    assert_eq!(table["rows"], n, "{table}");
+    assert_eq!(table["distinct_ids"], n, "{table}");
+    assert_eq!(table["id_sum"], (0..n).sum::<u64>(), "{table}");
+    assert_eq!(
+        table["value_sum"],
+        (0..n).map(price_of).sum::<u64>(),
+        "{table}"
+    );
+    // What is left on the disk: the committed files and none of the dead
+    // attempts' (the last cleanup ran before the successful attempt wrote).
+    assert_eq!(
+        files_under(&data_dir),
+        table["files"].as_u64().unwrap_or(u64::MAX),
+        "data files on disk vs in the table: {table}"
+    );
+}
+
+/// Files under `dir`, in its subdirectories too.
+fn files_under(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("listing {}: {e}", dir.display()))
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            if path.is_dir() { files_under(&path) } else { 1 }
+        })
+        .sum()
 }

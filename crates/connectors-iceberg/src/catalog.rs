@@ -2,7 +2,7 @@
 //! committed, and the catalog wrapper that runs the "already committed?"
 //! check inside every commit attempt.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
@@ -200,6 +200,10 @@ pub(crate) struct SinkTable {
     /// Data files the writers closed whose syncs the committer has not yet
     /// waited for (local warehouses only).
     pub(crate) syncs: Arc<PendingSyncs>,
+    /// The ids (the uuid in their file names) of this process's writers of
+    /// the sink that are gone: their unreferenced files are orphans
+    /// whatever their age (see `orphans::delete_orphans`).
+    retired: Mutex<HashSet<String>>,
 }
 
 impl SinkTable {
@@ -218,7 +222,31 @@ impl SinkTable {
             catalog: OnceCell::new(),
             ensured: OnceCell::new(),
             syncs: Arc::default(),
+            retired: Mutex::default(),
         })
+    }
+
+    fn retired_lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        // A panic elsewhere while holding the lock leaves a usable set.
+        self.retired
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Notes that the writer with this id is gone (dropped: its task ended
+    /// or was aborted with its attempt).
+    pub(crate) fn retire_writer(&self, id: String) {
+        self.retired_lock().insert(id);
+    }
+
+    /// The ids of the writers that are gone.
+    pub(crate) fn retired_writers(&self) -> HashSet<String> {
+        self.retired_lock().clone()
+    }
+
+    /// Forgets retired writers whose files have all been dealt with.
+    pub(crate) fn forget_writers(&self, ids: &HashSet<String>) {
+        self.retired_lock().retain(|id| !ids.contains(id));
     }
 
     /// The storage the writers write data files through: for a local

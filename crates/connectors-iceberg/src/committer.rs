@@ -140,7 +140,7 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
         }
         // Recovery step 4: files of checkpoints that never completed.
         if let Some(min_age) = self.table.config.orphan_min_age {
-            match crate::orphans::delete_orphans(&self.table, min_age).await {
+            match crate::orphans::delete_orphans(&self.table, min_age, true).await {
                 Ok(report) if report.deleted > 0 => tracing::info!(
                     sink = %self.table.label(),
                     deleted = report.deleted,

@@ -143,6 +143,6 @@ impl IcebergSink {
     /// the longest time a written file waits for its commit (the commit
     /// cadence), or files of a running job could go.
     pub async fn delete_orphans(&self, min_age: Duration) -> StreamResult<OrphanReport> {
-        orphans::delete_orphans(&self.table, min_age).await
+        orphans::delete_orphans(&self.table, min_age, false).await
     }
 }

@@ -176,21 +176,27 @@ async fn list_s3(
         .collect())
 }
 
-/// Whether `name` is a file the writers of the sink with this prefix
-/// (`{sink_id}-`) write: `{sink_id}-{subtask}-{uuid}-{n}.parquet`. The full
-/// shape is checked so sink `a` never claims the files of sink `a-b`.
-fn written_by(name: &str, prefix: &str) -> bool {
-    let Some(rest) = name
+/// The writer id (uuid) in `name` when it is a file the writers of the sink
+/// with this prefix (`{sink_id}-`) write: `{sink_id}-{subtask}-{uuid}-{n}.parquet`.
+/// The full shape is checked so sink `a` never claims the files of sink `a-b`.
+fn written_by<'a>(name: &'a str, prefix: &str) -> Option<&'a str> {
+    let rest = name
         .strip_prefix(prefix)
-        .and_then(|r| r.strip_suffix(".parquet"))
-    else {
-        return false;
-    };
+        .and_then(|r| r.strip_suffix(".parquet"))?;
     let parts: Vec<&str> = rest.split('-').collect();
-    matches!(parts.as_slice(), [subtask, uuid, n]
-        if !subtask.is_empty() && subtask.bytes().all(|b| b.is_ascii_digit())
-            && uuid.len() == 32 && uuid.bytes().all(|b| b.is_ascii_hexdigit())
-            && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    match parts.as_slice() {
+        [subtask, uuid, n]
+            if !subtask.is_empty()
+                && subtask.bytes().all(|b| b.is_ascii_digit())
+                && uuid.len() == 32
+                && uuid.bytes().all(|b| b.is_ascii_hexdigit())
+                && !n.is_empty()
+                && n.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            Some(uuid)
+        }
+        _ => None,
+    }
 }
 
 /// Lists the sink's data files under the table's data directory (local or
@@ -198,10 +204,24 @@ fn written_by(name: &str, prefix: &str) -> bool {
 /// `min_age`. The age bound keeps files of a running attempt (written, not
 /// yet committed) safe: it must exceed the longest time a file waits for its
 /// commit. Warehouses elsewhere are not cleaned: it lists nothing there.
+///
+/// With `retired`, on recovery, once the restored checkpoints are committed:
+/// files of this process's writers that are gone (an earlier attempt's) go
+/// whatever their age. Such a file is in no checkpoint that can still
+/// commit: the earlier attempt's coordinator has ended, and what its
+/// completed checkpoints hold is committed by now. Without this, a job
+/// restarting on a full disk would leave each failed attempt's files
+/// behind, and the disk would stay full.
 pub(crate) async fn delete_orphans(
     table: &SinkTable,
     min_age: Duration,
+    retired: bool,
 ) -> StreamResult<OrphanReport> {
+    let gone = if retired {
+        table.retired_writers()
+    } else {
+        HashSet::new()
+    };
     let label = table.label();
     let loaded = table.load().await?;
     let location = loaded.metadata().location().to_owned();
@@ -221,9 +241,9 @@ pub(crate) async fn delete_orphans(
     let mut report = OrphanReport::default();
     for file in files {
         let name = file.location.rsplit('/').next().unwrap_or("");
-        if !written_by(name, &prefix) {
+        let Some(writer) = written_by(name, &prefix) else {
             continue;
-        }
+        };
         report.listed += 1;
         if refs.contains(&file.location) {
             report.referenced += 1;
@@ -233,7 +253,7 @@ pub(crate) async fn delete_orphans(
             .modified
             .and_then(|m| now.duration_since(m).ok())
             .unwrap_or_default();
-        if age < min_age {
+        if age < min_age && !gone.contains(writer) {
             report.too_young += 1;
             continue;
         }
@@ -249,6 +269,8 @@ pub(crate) async fn delete_orphans(
         report.bytes += file.bytes;
         report.files.push(file.location);
     }
+    // Every unreferenced file of theirs is gone now.
+    table.forget_writers(&gone);
     Ok(report)
 }
 
@@ -259,10 +281,12 @@ mod tests {
     #[test]
     fn a_sink_claims_only_its_own_files() {
         let uuid = "0123456789abcdef0123456789abcdef";
-        assert!(written_by(&format!("a-0-{uuid}-00001.parquet"), "a-"));
-        assert!(!written_by(&format!("a-b-0-{uuid}-00001.parquet"), "a-"));
-        assert!(written_by(&format!("a-b-0-{uuid}-00001.parquet"), "a-b-"));
-        assert!(!written_by(&format!("a-0-{uuid}-00001.avro"), "a-"));
-        assert!(!written_by("a-0-x-00001.parquet", "a-"));
+        let a = format!("a-0-{uuid}-00001.parquet");
+        let ab = format!("a-b-0-{uuid}-00001.parquet");
+        assert_eq!(written_by(&a, "a-"), Some(uuid));
+        assert_eq!(written_by(&ab, "a-"), None);
+        assert_eq!(written_by(&ab, "a-b-"), Some(uuid));
+        assert_eq!(written_by(&format!("a-0-{uuid}-00001.avro"), "a-"), None);
+        assert_eq!(written_by("a-0-x-00001.parquet", "a-"), None);
     }
 }

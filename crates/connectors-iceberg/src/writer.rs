@@ -104,12 +104,8 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             .map_err(|e| fail("reading the table location", e))?;
         // Unique per writer instance: a restarted writer must never reuse a
         // name, or it could overwrite a committed file.
-        let prefix = format!(
-            "{}-{}-{}",
-            config.sink_id,
-            ctx.subtask,
-            uuid::Uuid::new_v4().simple()
-        );
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let prefix = format!("{}-{}-{id}", config.sink_id, ctx.subtask);
         let names = DefaultFileNameGenerator::new(prefix, None, DataFileFormat::Parquet);
         let parts = StackParts {
             props,
@@ -120,6 +116,10 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             names,
         };
         Ok(Box::new(IcebergFileWriter {
+            _id: WriterId {
+                id,
+                table: Arc::clone(&self.table),
+            },
             label,
             arrow_schema,
             splitter,
@@ -138,6 +138,20 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             rows: metrics::counter!("tinyflow_iceberg_rows_written_total", "sink" => config.sink_id.clone()),
             evictions: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone()),
         }))
+    }
+}
+
+/// The id in a writer's file names; retired with the sink when the writer
+/// is dropped, which makes its unreferenced files orphans on the next
+/// recovery whatever their age.
+struct WriterId {
+    id: String,
+    table: Arc<SinkTable>,
+}
+
+impl Drop for WriterId {
+    fn drop(&mut self) {
+        self.table.retire_writer(std::mem::take(&mut self.id));
     }
 }
 
@@ -238,6 +252,7 @@ fn mostly_distinct(column: &ArrayRef) -> bool {
 /// One writer subtask: keeps a file open per partition, at most `max_open`
 /// of them (closing the least recently used), and closes all on a barrier.
 pub(crate) struct IcebergFileWriter {
+    _id: WriterId,
     label: String,
     arrow_schema: SchemaRef,
     splitter: Option<RecordBatchPartitionSplitter>,
@@ -278,7 +293,7 @@ impl IcebergFileWriter {
             let writer = stack
                 .build(key)
                 .await
-                .map_err(|e| external(&self.label, "opening a data file", &e))?;
+                .map_err(|e| file_error(&self.label, "opening a data file", &e))?;
             self.open.insert(
                 path.clone(),
                 Open {
@@ -294,7 +309,7 @@ impl IcebergFileWriter {
         open.writer
             .write(batch)
             .await
-            .map_err(|e| external(&self.label, format!("writing partition `{path}`"), &e))
+            .map_err(|e| file_error(&self.label, format!("writing {}", part_name(&path)), &e))
     }
 
     /// Bad-record policy `skip`: the batch without its rows that have a null
@@ -366,10 +381,9 @@ impl IcebergFileWriter {
         if let Some(mut open) = self.open.remove(&path) {
             self.evictions.increment(1);
             tracing::debug!(writer = %self.label, partition = %path, "closing least recently used file");
-            let files =
-                open.writer.close().await.map_err(|e| {
-                    external(&self.label, format!("closing partition `{path}`"), &e)
-                })?;
+            let files = open.writer.close().await.map_err(|e| {
+                file_error(&self.label, format!("closing {}", part_name(&path)), &e)
+            })?;
             self.closed.extend(files);
         }
         Ok(())
@@ -415,9 +429,9 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
         let mut files = std::mem::take(&mut self.closed);
         for (path, mut open) in self.open.drain() {
             let closed = open.writer.close().await.map_err(|e| {
-                external(
+                file_error(
                     &self.label,
-                    format!("closing partition `{path}` at checkpoint {id}"),
+                    format!("closing {} at checkpoint {id}", part_name(&path)),
                     &e,
                 )
             })?;
@@ -443,6 +457,29 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
                 Ok(DataFileMeta { json, ..meta })
             })
             .collect()
+    }
+}
+
+/// A failure to open, write or close a data file. Retryable unless iceberg
+/// says otherwise: it is the storage's trouble (a full disk, a store that
+/// does not answer, permissions), not the records', and a restart, once it
+/// has passed, writes the same records again from the last checkpoint.
+/// Records that cannot fit the table fail earlier, in [`conform`].
+fn file_error(operator: &str, action: impl Into<String>, e: &iceberg::Error) -> StreamError {
+    let mut error = external(operator, action, e);
+    if let StreamError::External { retryable, .. } = &mut error {
+        *retryable |= e.kind() == iceberg::ErrorKind::Unexpected;
+    }
+    error
+}
+
+/// How errors name the file of partition `path` (empty when the table is
+/// not partitioned).
+fn part_name(path: &str) -> String {
+    if path.is_empty() {
+        "the data file".to_owned()
+    } else {
+        format!("the data file of partition `{path}`")
     }
 }
 
