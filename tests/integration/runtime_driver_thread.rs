@@ -3,14 +3,17 @@
 //! behind tasks that poll for long stretches; on a current-thread runtime it
 //! runs in place, on that runtime's (possibly paused) clock. The store's
 //! `persist` is polled by the driver, so the thread that polls it tells
-//! where the driver runs.
+//! where the driver runs. A committer behind parallel writers shares that
+//! thread (its commits then start as soon as a checkpoint completes); any
+//! other sink runs on the job's workers.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
 use tinyflow_api::{
-    CheckpointId, CheckpointStore, CompletedCheckpoint, JobBuilder, JobId, StreamResult,
+    CheckpointId, CheckpointStore, CompletedCheckpoint, JobBuilder, JobId, OperatorContext, Sink,
+    SinkFactory, SinkRestore, StreamResult, Writer, WriterFactory,
 };
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::ms;
@@ -154,4 +157,149 @@ async fn a_panic_on_the_driver_thread_fails_the_attempt_with_its_message() {
         }
         other => panic!("expected the driver's panic, got {other:?}"),
     }
+}
+
+fn thread_name() -> String {
+    std::thread::current()
+        .name()
+        .unwrap_or("<unnamed>")
+        .to_owned()
+}
+
+/// A sink factory that notes the thread of each commit of its sinks.
+#[derive(Clone)]
+struct NotingSink<T> {
+    inner: CollectingSink<T>,
+    threads: Arc<Mutex<Vec<String>>>,
+}
+
+struct Noted<T> {
+    inner: Box<dyn Sink<T>>,
+    threads: Arc<Mutex<Vec<String>>>,
+}
+
+#[async_trait::async_trait]
+impl<T: tinyflow_api::StateValue> SinkFactory<T> for NotingSink<T> {
+    async fn create(
+        &self,
+        ctx: &OperatorContext,
+        restored: Option<SinkRestore<'_>>,
+    ) -> StreamResult<Box<dyn Sink<T>>> {
+        Ok(Box::new(Noted {
+            inner: self.inner.create(ctx, restored).await?,
+            threads: Arc::clone(&self.threads),
+        }))
+    }
+}
+
+#[async_trait::async_trait]
+impl<T: tinyflow_api::Data> Sink<T> for Noted<T> {
+    async fn write(&mut self, batch: Vec<T>) -> StreamResult<()> {
+        self.inner.write(batch).await
+    }
+
+    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
+        self.inner.prepare_commit(id).await
+    }
+
+    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {
+        self.threads.lock().unwrap().push(thread_name());
+        self.inner.commit(id).await
+    }
+}
+
+/// Buffers records and hands each checkpoint's on as one committable.
+struct Buffering;
+
+struct Buffer(Vec<u64>);
+
+#[async_trait::async_trait]
+impl WriterFactory<u64, Vec<u64>> for Buffering {
+    async fn create(&self, _ctx: &OperatorContext) -> StreamResult<Box<dyn Writer<u64, Vec<u64>>>> {
+        Ok(Box::new(Buffer(Vec::new())))
+    }
+}
+
+#[async_trait::async_trait]
+impl Writer<u64, Vec<u64>> for Buffer {
+    async fn write(&mut self, batch: Vec<u64>) -> StreamResult<()> {
+        self.0.extend(batch);
+        Ok(())
+    }
+
+    async fn flush(&mut self, _id: CheckpointId) -> StreamResult<Vec<Vec<u64>>> {
+        Ok(if self.0.is_empty() {
+            Vec::new()
+        } else {
+            vec![std::mem::take(&mut self.0)]
+        })
+    }
+}
+
+/// Numbers into a committing sink, through two parallel writers when
+/// `writers`; checkpoints every 5 ms. Returns the records committed and
+/// the threads each commit ran on.
+async fn run_sink_job(writers: bool) -> (Vec<u64>, Vec<String>) {
+    let numbers =
+        VecSource::new(vec![(0..5_000u64).collect(), (5_000..10_000u64).collect()]).batch_size(100);
+    let job = JobBuilder::new(JobId::new("committer-thread").unwrap());
+    let stream = job.source("numbers", 2, numbers);
+    let threads = Arc::new(Mutex::new(Vec::new()));
+    let committed = if writers {
+        let sink = NotingSink {
+            inner: CollectingSink::<Vec<u64>>::new(),
+            threads: Arc::clone(&threads),
+        };
+        stream
+            .write("buffer", 2, Buffering)
+            .rebalance()
+            .sink("committer", 1, sink.clone());
+        run_collecting(job).await;
+        sink.inner.committed().into_iter().flatten().collect()
+    } else {
+        let sink = NotingSink {
+            inner: CollectingSink::<u64>::new(),
+            threads: Arc::clone(&threads),
+        };
+        stream.rebalance().sink("out", 1, sink.clone());
+        run_collecting(job).await;
+        sink.inner.committed()
+    };
+    let threads = threads.lock().unwrap().clone();
+    (sorted(committed), threads)
+}
+
+async fn run_collecting(job: JobBuilder) {
+    let mut config = RuntimeConfig::default();
+    config.checkpoint.interval = Some(ms(5));
+    JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        config,
+    )
+    .run()
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committer_behind_parallel_writers_commits_on_the_coordinators_thread() {
+    let (committed, threads) = run_sink_job(true).await;
+    assert_eq!(committed, (0..10_000).collect::<Vec<_>>());
+    assert!(!threads.is_empty());
+    assert!(
+        threads.iter().all(|t| t == "tinyflow-coordinator"),
+        "{threads:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_that_takes_records_runs_on_the_jobs_workers() {
+    let (committed, threads) = run_sink_job(false).await;
+    assert_eq!(committed, (0..10_000).collect::<Vec<_>>());
+    assert!(!threads.is_empty());
+    assert!(
+        threads.iter().all(|t| t != "tinyflow-coordinator"),
+        "{threads:?}"
+    );
 }

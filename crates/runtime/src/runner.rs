@@ -228,6 +228,7 @@ impl JobRunner {
             tracing::info!(job = %g.job_id, checkpoint = %id, "restoring");
         }
 
+        let own_thread = OwnThread::start(&g.job_id);
         let chains = self.chains();
         let (mut inputs, mut outputs) = self.wire(&chains);
         let mut tasks = JoinSet::new();
@@ -271,7 +272,13 @@ impl JobRunner {
                         None => run_consumer(io, body).await,
                     }
                 });
-                labels.insert(tasks.spawn(task).id(), label);
+                let spawned = match &own_thread {
+                    Some(t) if role == TaskRole::Committer && self.commits_files(chain) => {
+                        tasks.spawn_on(task, &t.handle)
+                    }
+                    _ => tasks.spawn(task),
+                };
+                labels.insert(spawned.id(), label);
             }
         }
         handle.start().await.map_err(|_| StreamError::Graph {
@@ -280,7 +287,9 @@ impl JobRunner {
         drop(handle);
 
         let stop = self.stop.clone();
-        let (run, shutdown) = drive(&g.job_id, driver, async move { stop.requested().await });
+        let (run, shutdown) = drive(own_thread.as_ref(), driver, async move {
+            stop.requested().await
+        });
         tokio::pin!(run);
         let (ended, driver_ended) = loop {
             tokio::select! {
@@ -343,6 +352,20 @@ impl JobRunner {
     /// Groups nodes into chains, head first: a forward edge from a node with
     /// one output to a node with one input joins them (sources only head a
     /// chain, sinks and writers only end one). With chaining off, every node is a chain.
+    /// Whether `chain` is a sink alone whose every input is a parallel
+    /// writer: a committer of what the writers wrote, which handles small
+    /// committables (file metadata), never the records themselves, and can
+    /// share the coordinator's thread.
+    fn commits_files(&self, chain: &[NodeId]) -> bool {
+        let g = &self.graph;
+        let [sink] = chain else {
+            return false;
+        };
+        let mut inputs = g.edges.iter().filter(|e| e.to == *sink).peekable();
+        inputs.peek().is_some()
+            && inputs.all(|e| matches!(g.nodes[e.from].kind, NodeKind::Writer(_)))
+    }
+
     fn chains(&self) -> Vec<Vec<NodeId>> {
         let g = &self.graph;
         let n = g.nodes.len();
@@ -554,36 +577,35 @@ fn join_message(j: tokio::task::JoinError) -> String {
         .unwrap_or_else(|| "non-string panic payload".into())
 }
 
-/// Runs the coordinator's driver until it ends or `shutdown` is dropped.
+/// A thread of an attempt's own, driving a current-thread runtime until the
+/// attempt drops it: the checkpoint coordinator's driver runs there, and
+/// so do the committers behind parallel writers.
 ///
-/// On a multi-thread runtime the driver gets a thread of its own: the
-/// workers are busy with tasks that may poll for milliseconds at a time
-/// (decoding, encoding Parquet), and a driver queued behind them would
+/// The job's workers are busy with tasks that may poll for milliseconds at
+/// a time (decoding, encoding Parquet). A driver queued behind them would
 /// trigger late and complete checkpoints late (it was 130 ms late per
-/// checkpoint in the pipeline bench). On a current-thread runtime (tests,
-/// paused clocks) it runs in place, on that runtime's clock. Dropping the
-/// returned future drops the driver, as dropping it in place would; a panic
-/// in it fails the attempt, as a task's panic does.
-fn drive(
-    job: &tinyflow_api::JobId,
-    driver: CoordinatorDriver,
-    stop: impl Future<Output = ()> + Send + 'static,
-) -> (BoxFuture<Result<Outcome>>, oneshot::Sender<()>) {
-    let (shutdown, dropped) = oneshot::channel::<()>();
-    let run = driver.run_until_stopped(
-        async move {
-            let _ = dropped.await;
-        },
-        stop,
-    );
-    let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
-    let thread = if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
-        None
-    } else {
-        // A current-thread runtime that its thread drives until `keep` is
-        // dropped; the driver is spawned onto it only once the thread runs.
+/// checkpoint in the pipeline bench), and a committer queued behind them
+/// starts its commit late (10-140 ms after the checkpoint completed). Both
+/// do little work, at the moments the latency from append to visible
+/// depends on.
+struct OwnThread {
+    handle: tokio::runtime::Handle,
+    /// Dropping it ends the thread, and with its runtime whatever still
+    /// runs there: the attempt drops it only after its tasks have ended.
+    _keep: oneshot::Sender<()>,
+}
+
+impl OwnThread {
+    /// The thread, on a multi-thread runtime; `None` on a current-thread one
+    /// (tests, paused clocks: everything runs in place, on that runtime's
+    /// clock) or when no thread can be started (logged).
+    fn start(job: &tinyflow_api::JobId) -> Option<OwnThread> {
+        let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+        if matches!(flavor, Ok(tokio::runtime::RuntimeFlavor::CurrentThread)) {
+            return None;
+        }
         let started = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
+            .enable_all()
             .build()
             .and_then(|rt| {
                 let handle = rt.handle().clone();
@@ -595,7 +617,10 @@ fn drive(
                             let _ = kept.await;
                         });
                     })?;
-                Ok((handle, keep))
+                Ok(OwnThread {
+                    handle,
+                    _keep: keep,
+                })
             });
         match started {
             Ok(thread) => Some(thread),
@@ -604,13 +629,30 @@ fn drive(
                 None
             }
         }
-    };
-    let Some((handle, keep)) = thread else {
+    }
+}
+
+/// Runs the coordinator's driver until it ends or `shutdown` is dropped: on
+/// `thread` when there is one (see [`OwnThread`]), else in place. Dropping
+/// the returned future drops the driver, as dropping it in place would; a
+/// panic in it fails the attempt, as a task's panic does.
+fn drive(
+    thread: Option<&OwnThread>,
+    driver: CoordinatorDriver,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> (BoxFuture<Result<Outcome>>, oneshot::Sender<()>) {
+    let (shutdown, dropped) = oneshot::channel::<()>();
+    let run = driver.run_until_stopped(
+        async move {
+            let _ = dropped.await;
+        },
+        stop,
+    );
+    let Some(thread) = thread else {
         return (Box::pin(async move { Ok(run.await?) }), shutdown);
     };
-    let task = handle.spawn(run);
+    let task = thread.handle.spawn(run);
     let run = async move {
-        let _keep = keep;
         match task.await {
             Ok(outcome) => Ok(outcome?),
             Err(j) => Err(Error::Panic {
