@@ -197,6 +197,27 @@ impl Run {
             .unwrap_or_else(|| panic!("no final_checkpoint=N in {line:?}"))
     }
 
+    /// Waits up to 120 s for the process to exit by itself, with status 0;
+    /// else kills it and fails with `late` and its log.
+    fn exits_0_within_120_s(&mut self, late: &str) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                self.child.kill().unwrap();
+                panic!(
+                    "{late}; its log: {}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        assert!(status.success(), "exit {status}; its log: {log}");
+    }
+
     /// SIGKILL, as a crash.
     fn kill(mut self) {
         self.child.kill().unwrap();
@@ -212,6 +233,21 @@ async fn committed_rows(table: &TableReader) -> u64 {
         .load()
         .await
         .map_or(0, |t| tinyflow_connectors_iceberg::total_records(&t))
+}
+
+/// pyiceberg's view of `chaos.bids` in the catalog in `dir`, checked to
+/// hold ids `0..n` once each with their prices.
+fn read_each_once(dir: &Path, n: u64) -> serde_json::Value {
+    let table = tinyflow_tests::pyiceberg_read(dir, "chaos.bids", &["id", "price"]);
+    assert_eq!(table["rows"], n, "{table}");
+    assert_eq!(table["distinct_ids"], n, "{table}");
+    assert_eq!(table["id_sum"], (0..n).sum::<u64>(), "{table}");
+    assert_eq!(
+        table["value_sum"],
+        (0..n).map(price_of).sum::<u64>(),
+        "{table}"
+    );
+    table
 }
 
 fn price_of(id: u64) -> u64 {
@@ -253,31 +289,8 @@ async fn a_bounded_job_reads_to_the_end_commits_and_exits() {
     let dir = tmp.path().to_path_buf();
     let job = job_file(&dir, &bootstrap, &topic, "bounded = true");
     let mut run = Run::start(&job, &dir, 0);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = run.child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            run.child.kill().unwrap();
-            panic!(
-                "a bounded job still ran after 120 s; its log: {}",
-                std::fs::read_to_string(&run.log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let log = std::fs::read_to_string(&run.log).unwrap_or_default();
-    assert!(status.success(), "exit {status}; its log: {log}");
-    let table = tinyflow_tests::pyiceberg_read(&dir, "chaos.bids", &["id", "price"]);
-    assert_eq!(table["rows"], n, "{table}");
-    assert_eq!(table["distinct_ids"], n, "{table}");
-    assert_eq!(table["id_sum"], (0..n).sum::<u64>(), "{table}");
-    assert_eq!(
-        table["value_sum"],
-        (0..n).map(price_of).sum::<u64>(),
-        "{table}"
-    );
+    run.exits_0_within_120_s("a bounded job still ran after 120 s");
+    read_each_once(&dir, n);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -574,31 +587,8 @@ async fn on_a_full_disk_the_job_fails_clearly_cleans_up_and_resumes_once_there_i
     );
 
     disk.resize("64m");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = run.child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            run.child.kill().unwrap();
-            panic!(
-                "the job did not finish within 120 s of the disk growing; its log: {}",
-                std::fs::read_to_string(&run.log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let log = std::fs::read_to_string(&run.log).unwrap_or_default();
-    assert!(status.success(), "exit {status}; its log: {log}");
-    let table = tinyflow_tests::pyiceberg_read(&disk_dir, "chaos.bids", &["id", "price"]);
-    assert_eq!(table["rows"], n, "{table}");
-    assert_eq!(table["distinct_ids"], n, "{table}");
-    assert_eq!(table["id_sum"], (0..n).sum::<u64>(), "{table}");
-    assert_eq!(
-        table["value_sum"],
-        (0..n).map(price_of).sum::<u64>(),
-        "{table}"
-    );
+    run.exits_0_within_120_s("the job did not finish within 120 s of the disk growing");
+    let table = read_each_once(&disk_dir, n);
     // What is left on the disk: the committed files and none of the dead
     // attempts' (the last cleanup ran before the successful attempt wrote).
     assert_eq!(
