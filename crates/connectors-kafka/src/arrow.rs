@@ -12,6 +12,7 @@ use rdkafka::message::Message;
 use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamResult};
 
 use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
+use crate::bad_record::{BadReason, BadRecord};
 use crate::source::{Decode, Outcome, Polled, open};
 
 /// The columns [`JsonArrow::with_metadata_columns`] appends.
@@ -197,7 +198,7 @@ struct ArrowDecoder {
     output: SchemaRef,
     from: Option<TimeFrom<RecordBatch>>,
     /// Per polled record of the current batch: why it is bad, if it is.
-    bad: Vec<Option<String>>,
+    bad: Vec<Option<BadRecord>>,
 }
 
 impl ArrowDecoder {
@@ -212,11 +213,9 @@ impl ArrowDecoder {
             let payload = p.msg.payload().unwrap_or_default();
             let before = decoder.len();
             let problem = match decoder.decode(payload) {
-                Err(e) => Some(format!("invalid JSON: {e}")),
+                Err(e) => Some(format!("{e}")),
                 Ok(used) if used < payload.len() => Some("more than one JSON value".to_owned()),
-                Ok(_) if decoder.has_partial_record() => {
-                    Some("invalid JSON: incomplete value".to_owned())
-                }
+                Ok(_) if decoder.has_partial_record() => Some("incomplete value".to_owned()),
                 Ok(_) if decoder.len() == before => {
                     Some("empty value, expected a JSON object".to_owned())
                 }
@@ -224,7 +223,7 @@ impl ArrowDecoder {
                 Ok(_) => None,
             };
             if let Some(problem) = problem {
-                self.bad[i] = Some(problem);
+                self.bad[i] = Some(BadRecord::new(BadReason::InvalidJson, problem));
                 return false;
             }
         }
@@ -243,7 +242,7 @@ impl ArrowDecoder {
                 .decode(p.msg.payload().unwrap_or_default())
                 .and_then(|_| one.flush());
             if let Err(e) = result {
-                self.bad[i] = Some(e.to_string());
+                self.bad[i] = Some(BadRecord::new(BadReason::SchemaMismatch, e.to_string()));
                 found += 1;
             }
         }
@@ -323,7 +322,8 @@ impl Decode for ArrowDecoder {
                 Ok(d) => d,
                 Err(e) => {
                     // Checked at create; cannot happen with the same schema.
-                    self.bad.iter_mut().for_each(|b| *b = Some(e.clone()));
+                    let bad = BadRecord::new(BadReason::SchemaMismatch, e);
+                    self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
                     break None;
                 }
             };
@@ -335,15 +335,17 @@ impl Decode for ArrowDecoder {
                 // A value that does not fit the schema: find which.
                 Err(e) => match self.isolate(polled) {
                     Ok(0) => {
-                        let reason = format!(
-                            "the batch does not decode, though each record alone does: {e}"
+                        let bad = BadRecord::new(
+                            BadReason::SchemaMismatch,
+                            format!("the batch does not decode, though each record alone does: {e}"),
                         );
-                        self.bad.iter_mut().for_each(|b| *b = Some(reason.clone()));
+                        self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
                         break None;
                     }
                     Ok(_) => {}
                     Err(e) => {
-                        self.bad.iter_mut().for_each(|b| *b = Some(e.clone()));
+                        let bad = BadRecord::new(BadReason::SchemaMismatch, e);
+                        self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
                         break None;
                     }
                 },
@@ -370,7 +372,8 @@ impl Decode for ArrowDecoder {
                 Ok(batch) => out.push(batch),
                 Err(e) => {
                     // Cannot happen: the columns are built to the schema.
-                    self.bad.iter_mut().for_each(|b| *b = Some(e.clone()));
+                    let bad = BadRecord::new(BadReason::SchemaMismatch, e);
+                    self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
                 }
             }
         }

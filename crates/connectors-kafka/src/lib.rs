@@ -23,6 +23,7 @@
 
 #[cfg(feature = "arrow")]
 mod arrow;
+mod bad_record;
 mod config;
 mod dead_letter;
 #[cfg(feature = "embedded")]
@@ -33,6 +34,7 @@ pub mod testing;
 
 #[cfg(feature = "arrow")]
 pub use arrow::{JsonArrow, KafkaArrowSource, METADATA_COLUMNS};
+pub use bad_record::BadReason;
 pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
 };

@@ -20,6 +20,7 @@ use crate::config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
     TimeFrom, is_secret,
 };
+use crate::bad_record::{BadReason, BadRecord, BadRecords};
 use crate::dead_letter::DeadLetter;
 
 /// One Kafka record with its decoded value.
@@ -407,7 +408,7 @@ pub(crate) struct Polled<'c> {
 
 /// What a decoder made of one polled record: `Ok(event time)` or why it is
 /// bad.
-pub(crate) type Outcome = Result<Option<i64>, String>;
+pub(crate) type Outcome = Result<Option<i64>, BadRecord>;
 
 /// Turns the records of one poll into output items.
 pub(crate) trait Decode: Send + 'static {
@@ -466,7 +467,7 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
                     });
                     outcomes.push(Ok(time));
                 }
-                Err(reason) => outcomes.push(Err(reason)),
+                Err(detail) => outcomes.push(Err(BadRecord::new(BadReason::Undecodable, detail))),
             }
         }
     }
@@ -603,13 +604,13 @@ pub(crate) fn open<D: Decode, V>(
         stop,
         batch_size: config.batch_size.max(1),
         commit_offsets: config.commit_offsets,
-        bad: BadRecords {
+        bad: BadRecords::new(
             name,
-            policy: config.bad_records.clone(),
-            counted: metrics::counter!("tinyflow_bad_records_total", &labels),
+            config.bad_records.clone(),
+            labels.clone(),
             dead_letter,
-            request_timeout: config.request_timeout,
-        },
+            config.request_timeout,
+        ),
         timing: event_time.map(Timing::of),
         times,
         outcomes: Vec::new(),
@@ -824,50 +825,6 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             tracing::warn!(source = %self.bad.name, checkpoint = %id, error = %e, "committing offsets to the consumer group failed");
         }
         Ok(())
-    }
-}
-
-/// The bad-record policy of one subtask.
-struct BadRecords {
-    /// The subtask, for errors and logs.
-    name: String,
-    policy: BadRecordPolicy,
-    counted: metrics::Counter,
-    dead_letter: Option<DeadLetter>,
-    request_timeout: Duration,
-}
-
-impl BadRecords {
-    fn handle(&mut self, p: &Polled<'_>, reason: String) -> StreamResult<()> {
-        let (topic, partition, offset) = (&p.topic, p.msg.partition(), p.msg.offset());
-        self.counted.increment(1);
-        match (&self.policy, &mut self.dead_letter) {
-            (BadRecordPolicy::Fail, _) => {
-                return Err(StreamError::BadRecord {
-                    operator: self.name.clone(),
-                    topic: topic.to_string(),
-                    partition,
-                    offset,
-                    reason,
-                });
-            }
-            (BadRecordPolicy::DeadLetter { .. }, Some(dl)) => {
-                dl.send(&p.msg, &reason, &self.name)?;
-                tracing::debug!(source = %self.name, %topic, partition, offset, %reason, dead_letter = %dl.topic, "bad record sent to the dead-letter topic");
-            }
-            _ => {
-                tracing::debug!(source = %self.name, %topic, partition, offset, %reason, "bad record skipped");
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits until every dead letter sent so far is in its topic.
-    fn flush(&mut self) -> StreamResult<()> {
-        match &mut self.dead_letter {
-            Some(dl) => dl.flush(&self.name, self.request_timeout),
-            None => Ok(()),
-        }
     }
 }
 
