@@ -36,6 +36,7 @@ mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_sink;
 mod kafka_source;
+mod kafka_source_topics;
 mod runtime_driver_thread;
 mod runtime_exactly_once;
 mod runtime_metrics;

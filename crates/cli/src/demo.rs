@@ -82,16 +82,6 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
         source: SourceSection {
             bootstrap_servers: bootstrap.to_owned(),
             topics: vec![TOPIC.to_owned()],
-            group_id: None,
-            start: None,
-            format: None,
-            bad_records: None,
-            bounded: false,
-            strict: false,
-            metadata_columns: false,
-            parallelism: None,
-            batch_size: None,
-            properties: BTreeMap::new(),
             fields,
             event_time: Some(tinyflow_cli::EventTimeSection {
                 column: Some("date_time".to_owned()),
@@ -99,6 +89,7 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
                 max_out_of_orderness: Some("5s".to_owned()),
                 idle_timeout: None,
             }),
+            ..SourceSection::default()
         },
         transforms: vec![
             TransformSection {

@@ -51,7 +51,7 @@ fn one() -> usize {
 }
 
 /// `[source]`: a Kafka source of JSON records.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceSection {
     /// `host:port[,host:port]`
@@ -82,6 +82,15 @@ pub struct SourceSection {
     pub parallelism: Option<usize>,
     /// Records per batch (default 1024).
     pub batch_size: Option<usize>,
+    /// How often to look for partitions added to the topics (default
+    /// `30s`, or `off`).
+    pub partition_discovery: Option<String>,
+    /// How long a partition behind may make no progress before it is
+    /// reported (default `60s`).
+    pub stall_warn: Option<String>,
+    /// How long a source subtask may make no progress while behind before
+    /// it fails (default `10m`, or `off`).
+    pub stall_fail: Option<String>,
     /// librdkafka settings passed through (`security.protocol`, ...).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,

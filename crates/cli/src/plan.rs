@@ -168,6 +168,31 @@ fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobF
         }
         c.batch_size = b;
     }
+    let or_off = |key: &str, value: &str| -> Result<Option<Duration>, JobFileError> {
+        if value == "off" {
+            Ok(None)
+        } else {
+            duration(key, value).map(Some)
+        }
+    };
+    if let Some(d) = &s.partition_discovery {
+        c.partition_discovery = or_off("source.partition_discovery", d)?;
+    }
+    if let Some(d) = &s.stall_warn {
+        c.stall_warn = duration("source.stall_warn", d)?;
+    }
+    if let Some(d) = &s.stall_fail {
+        c.stall_fail = or_off("source.stall_fail", d)?;
+    }
+    if c.stall_fail.is_some_and(|fail| fail <= c.stall_warn) {
+        return Err(err(
+            "source.stall_fail",
+            format!(
+                "must be longer than source.stall_warn ({:?}), or `off`",
+                c.stall_warn
+            ),
+        ));
+    }
     c.properties = s.properties.clone();
     Ok(c)
 }

@@ -229,6 +229,19 @@ pub struct KafkaSourceConfig {
     /// librdkafka settings passed through (SASL, SSL, fetch sizes). Values of
     /// keys that look secret never appear in `Debug` output or logs.
     pub properties: BTreeMap<String, String>,
+    /// How often an unbounded source looks for partitions added to its
+    /// topics (default 30 s; `None`: never). New partitions start at their
+    /// earliest offset: they are new to the job, whatever `start` says.
+    pub partition_discovery: Option<Duration>,
+    /// A partition with committed records not read yet that makes no
+    /// progress for this long is reported: a warning and
+    /// `tinyflow_kafka_stalled_partitions` (default 60 s).
+    pub stall_warn: Duration,
+    /// A source subtask that made no progress on any of its partitions for
+    /// this long while behind on one of them fails (retryably; the restart
+    /// strategy decides) instead of stalling silently (default 10 min;
+    /// `None`: never).
+    pub stall_fail: Option<Duration>,
 }
 
 impl KafkaSourceConfig {
@@ -250,6 +263,9 @@ impl KafkaSourceConfig {
             batch_size: 1024,
             request_timeout: Duration::from_secs(10),
             properties: BTreeMap::new(),
+            partition_discovery: Some(Duration::from_secs(30)),
+            stall_warn: Duration::from_secs(60),
+            stall_fail: Some(Duration::from_secs(600)),
         }
     }
 }
@@ -299,7 +315,11 @@ impl fmt::Debug for KafkaSourceConfig {
             .field("commit_offsets", &self.commit_offsets)
             .field("bad_records", &self.bad_records)
             .field("batch_size", &self.batch_size)
+            .field("request_timeout", &self.request_timeout)
             .field("properties", &props)
+            .field("partition_discovery", &self.partition_discovery)
+            .field("stall_warn", &self.stall_warn)
+            .field("stall_fail", &self.stall_fail)
             .finish()
     }
 }

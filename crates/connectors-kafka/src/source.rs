@@ -1,6 +1,6 @@
 //! The source: partition assignment, positions, reading, decoding.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,11 +16,11 @@ use tinyflow_api::{
 };
 use tokio::time::Instant;
 
+use crate::bad_record::{BadReason, BadRecord, BadRecords};
 use crate::config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
     TimeFrom, is_secret,
 };
-use crate::bad_record::{BadReason, BadRecord, BadRecords};
 use crate::dead_letter::DeadLetter;
 
 /// One Kafka record with its decoded value.
@@ -77,6 +77,10 @@ type Partition = (Arc<str>, i32);
 /// why.
 pub(crate) struct SourceContext {
     last_error: std::sync::Mutex<Option<String>>,
+    /// (committed end, log end) per partition the consumer fetches, from
+    /// librdkafka's statistics (once a second): the last stable offset and
+    /// the high watermark.
+    ends: std::sync::Mutex<HashMap<(String, i32), (i64, i64)>>,
     /// `tinyflow_kafka_consumer_lag`: records in the subtask's partitions
     /// not read yet, from librdkafka's statistics (once a second).
     lag: metrics::Gauge,
@@ -86,6 +90,7 @@ impl Default for SourceContext {
     fn default() -> Self {
         SourceContext {
             last_error: std::sync::Mutex::new(None),
+            ends: std::sync::Mutex::new(HashMap::new()),
             lag: metrics::Gauge::noop(),
         }
     }
@@ -138,10 +143,25 @@ impl ClientContext for SourceContext {
             .map(|p| p.consumer_lag)
             .sum();
         self.lag.set(lag as f64);
+        let mut ends = self.ends.lock().unwrap_or_else(|p| p.into_inner());
+        for (topic, t) in &statistics.topics {
+            for p in t.partitions.values() {
+                if p.partition >= 0 && p.ls_offset >= 0 && p.hi_offset >= 0 {
+                    ends.insert((topic.clone(), p.partition), (p.ls_offset, p.hi_offset));
+                }
+            }
+        }
     }
 }
 
 impl ConsumerContext for SourceContext {}
+
+impl SourceContext {
+    /// (committed end, log end) per partition, as last reported.
+    fn ends(&self) -> HashMap<(String, i32), (i64, i64)> {
+        self.ends.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
 
 type KafkaConsumer = BaseConsumer<SourceContext>;
 
@@ -490,6 +510,21 @@ impl Timing {
     }
 }
 
+/// The subtask of `parallelism` that reads `partition` of `topic`: each
+/// topic's partitions are dealt round-robin from a start that depends on
+/// the topic's name alone (FNV-1a), so a partition added later moves no
+/// other partition to another subtask.
+pub(crate) fn owner(topic: &str, partition: i32, parallelism: usize) -> usize {
+    let parallelism = parallelism.max(1) as u64;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in topic.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let start = hash % parallelism;
+    ((start + u64::from(partition.unsigned_abs())) % parallelism) as usize
+}
+
 /// Connects, assigns this subtask's partitions at their restored or start
 /// positions, and returns the reader.
 pub(crate) fn open<D: Decode, V>(
@@ -511,9 +546,8 @@ pub(crate) fn open<D: Decode, V>(
     let all = config.partitions(&consumer, &name)?;
     let owned: Vec<Partition> = all
         .iter()
-        .enumerate()
-        .filter(|(i, _)| i % ctx.parallelism == ctx.subtask)
-        .map(|(_, p)| p.clone())
+        .filter(|(t, p)| owner(t, *p, ctx.parallelism) == ctx.subtask)
+        .cloned()
         .collect();
     let mut checkpointed = BTreeMap::new();
     for state in restored {
@@ -521,14 +555,28 @@ pub(crate) fn open<D: Decode, V>(
             checkpointed.insert((Arc::<str>::from(t.as_str()), p), o);
         }
     }
-    // Checkpointed positions win; partitions new since then start at the
-    // configured position.
-    let fresh: Vec<Partition> = owned
+    // Checkpointed positions win. A partition the checkpoint does not know
+    // starts at the configured position, unless the checkpoint knows its
+    // topic: then the partition was added since, and its records are new
+    // to the job (`latest` would skip them for good).
+    let (added, fresh): (Vec<Partition>, Vec<Partition>) = owned
         .iter()
         .filter(|p| !checkpointed.contains_key(*p))
         .cloned()
-        .collect();
+        .partition(|(t, _)| checkpointed.keys().any(|(known, _)| known == t));
     let mut positions = config.start_offsets(&consumer, &name, &fresh)?;
+    if !added.is_empty() {
+        let earliest = KafkaSourceConfig {
+            start: StartPosition::Earliest,
+            ..config.clone()
+        };
+        positions.extend(earliest.start_offsets(&consumer, &name, &added)?);
+        tracing::info!(
+            source = %name,
+            partitions = ?added.iter().map(|(t, p)| format!("{t}/{p}")).collect::<Vec<_>>(),
+            "partitions added since the checkpoint start at their earliest offset"
+        );
+    }
     for p in &owned {
         if let Some(o) = checkpointed.get(p) {
             positions.insert(p.clone(), *o);
@@ -550,21 +598,7 @@ pub(crate) fn open<D: Decode, V>(
         consumer.set_nonempty_callback(move || arrived.notify_one());
     }
     let stop = if config.bounded {
-        let mut stop = BTreeMap::new();
-        for p in &owned {
-            let (_, high) = consumer
-                .fetch_watermarks(&p.0, p.1, config.request_timeout)
-                .map_err(|e| {
-                    external(
-                        &name,
-                        format!("fetching end offsets of {}/{}", p.0, p.1),
-                        e,
-                        true,
-                    )
-                })?;
-            stop.insert(p.clone(), high);
-        }
-        Some(stop)
+        Some(bounded_ends(config, &consumer, &name, &owned)?)
     } else {
         None
     };
@@ -575,7 +609,7 @@ pub(crate) fn open<D: Decode, V>(
         bounded = config.bounded,
         "kafka source assigned"
     );
-    let mut topics: Vec<Arc<str>> = owned.iter().map(|(t, _)| Arc::clone(t)).collect();
+    let mut topics: Vec<Arc<str>> = all.iter().map(|(t, _)| Arc::clone(t)).collect();
     topics.dedup();
     let now = Instant::now();
     let times = owned
@@ -594,6 +628,24 @@ pub(crate) fn open<D: Decode, V>(
         BadRecordPolicy::DeadLetter { topic } => Some(DeadLetter::new(config, topic, &name)?),
         _ => None,
     };
+    // A client of its own: the error paths of metadata requests poll their
+    // client for its logs, which must never take the reader's records.
+    let metadata = config.consumer(&name, metrics::Gauge::noop())?;
+    let discovery = Discovery {
+        client: Arc::new(DropAside::new(metadata)),
+        every: config.partition_discovery,
+        // Bounded runs read what was there at start; they only watch for
+        // deleted topics.
+        adds: !config.bounded,
+        next_at: now + config.partition_discovery.unwrap_or(NEVER),
+        pending: None,
+        known: all.into_iter().collect(),
+        config: config.clone(),
+        parallelism: ctx.parallelism,
+        subtask: ctx.subtask,
+        found: metrics::counter!("tinyflow_kafka_partitions_discovered_total", &labels),
+    };
+    let progress = Progress::new(&positions, now, config.stall_warn, config.stall_fail);
     Ok(Box::new(Reader {
         topics,
         consumer: DropAside::new(consumer),
@@ -602,6 +654,7 @@ pub(crate) fn open<D: Decode, V>(
         positions,
         taken: VecDeque::new(),
         stop,
+        at_end: BTreeSet::new(),
         batch_size: config.batch_size.max(1),
         commit_offsets: config.commit_offsets,
         bad: BadRecords::new(
@@ -615,17 +668,75 @@ pub(crate) fn open<D: Decode, V>(
         times,
         outcomes: Vec::new(),
         read: metrics::counter!("tinyflow_kafka_records_read_total", &labels),
+        stalled: metrics::gauge!("tinyflow_kafka_stalled_partitions", &labels),
+        progress,
+        retry: Retry::default(),
+        discovery,
     }))
+}
+
+/// The end offsets of a bounded read of `owned`: the committed end of each
+/// partition at start (the last stable offset: records of transactions
+/// still open then, and anything after them, are left to a later run). A
+/// partition held back by an open transaction is reported.
+fn bounded_ends(
+    config: &KafkaSourceConfig,
+    consumer: &KafkaConsumer,
+    name: &str,
+    owned: &[Partition],
+) -> StreamResult<BTreeMap<Partition, i64>> {
+    let fetch = |client: &KafkaConsumer, (t, p): &Partition| {
+        client
+            .fetch_watermarks(t, *p, config.request_timeout)
+            .map(|(_, high)| high)
+            .map_err(|e| {
+                external(
+                    name,
+                    format!("fetching end offsets of {t}/{p}"),
+                    format!("{e}{}", last_client_error(client)),
+                    true,
+                )
+            })
+    };
+    // The consumer reads committed data: its end offsets are the last
+    // stable offsets. A read_uncommitted client sees the log's end.
+    let uncommitted = config
+        .client_config(&[("isolation.level", "read_uncommitted")])
+        .create_with_context::<_, KafkaConsumer>(SourceContext::default())
+        .map_err(|e| config.rejected(name, "consumer", e))?;
+    let mut stop = BTreeMap::new();
+    for p in owned {
+        let committed = fetch(consumer, p)?;
+        let log_end = fetch(&uncommitted, p)?;
+        if log_end > committed {
+            tracing::warn!(
+                source = %name,
+                topic = %p.0,
+                partition = p.1,
+                committed_end = committed,
+                log_end,
+                "a transaction open since offset {committed} holds this bounded run back: it reads \
+                 {}/{} up to there, and a later run reads the rest once it is committed",
+                p.0,
+                p.1
+            );
+        }
+        stop.insert(p.clone(), committed);
+    }
+    drop(DropAside::new(uncommitted));
+    Ok(stop)
 }
 
 /// A source subtask: its consumer, positions and decoder.
 pub(crate) struct Reader<D> {
+    /// The configured topics' shared names.
     topics: Vec<Arc<str>>,
     consumer: DropAside<KafkaConsumer>,
     /// Notified by librdkafka when the consumer's queue becomes non-empty.
     arrived: Arc<tokio::sync::Notify>,
     decoder: D,
-    /// Next offset to read, per owned partition.
+    /// Next offset to read, per owned partition: every record before it
+    /// was processed (or is a transaction marker or an aborted record).
     positions: BTreeMap<Partition, i64>,
     /// The positions of the checkpoints taken and not completed yet, oldest
     /// first: the consumer-group commit on completion of checkpoint N uses
@@ -633,6 +744,8 @@ pub(crate) struct Reader<D> {
     taken: VecDeque<(CheckpointId, BTreeMap<Partition, i64>)>,
     /// End offsets of a bounded read.
     stop: Option<BTreeMap<Partition, i64>>,
+    /// Partitions paused at their bounded end.
+    at_end: BTreeSet<Partition>,
     batch_size: usize,
     commit_offsets: bool,
     bad: BadRecords,
@@ -642,6 +755,11 @@ pub(crate) struct Reader<D> {
     outcomes: Vec<Outcome>,
     /// Records read (good and bad).
     read: metrics::Counter,
+    /// `tinyflow_kafka_stalled_partitions`.
+    stalled: metrics::Gauge,
+    progress: Progress,
+    retry: Retry,
+    discovery: Discovery,
 }
 
 /// The event time read from one partition.
@@ -662,6 +780,108 @@ impl<D> Reader<D> {
     fn partition_done(&self, p: &Partition, end: i64) -> bool {
         self.positions.get(p).is_some_and(|o| *o >= end)
     }
+
+    /// Moves positions past what librdkafka consumed without handing it
+    /// over: transaction markers and aborted records (a bounded run whose
+    /// last entry is a commit marker would otherwise never end). Only
+    /// forward, and never past a bounded end: every record before the
+    /// consumer's position was delivered, and every record delivered
+    /// before the end was processed.
+    fn skip_markers(&mut self) {
+        let Ok(at) = self.consumer.position() else {
+            return;
+        };
+        for e in at.elements() {
+            let Offset::Offset(o) = e.offset() else {
+                continue;
+            };
+            let Some(topic) = self.topics.iter().find(|t| ***t == *e.topic()) else {
+                continue;
+            };
+            let p = (Arc::clone(topic), e.partition());
+            let end = self.stop.as_ref().and_then(|s| s.get(&p)).copied();
+            if let Some(position) = self.positions.get_mut(&p) {
+                let to = end.map_or(o, |end| o.min(end));
+                if to > *position {
+                    *position = to;
+                }
+            }
+        }
+    }
+
+    /// Starts reading partitions found since the start at `new` offsets.
+    fn assign_new(&mut self, new: BTreeMap<Partition, i64>) -> StreamResult<()> {
+        let mut tpl = TopicPartitionList::new();
+        for ((t, p), o) in &new {
+            tpl.add_partition_offset(t, *p, Offset::Offset(*o))
+                .map_err(|e| external(&self.bad.name, "building the assignment", e, false))?;
+        }
+        self.consumer.incremental_assign(&tpl).map_err(|e| {
+            external(
+                &self.bad.name,
+                "assigning partitions added to the topics",
+                e,
+                true,
+            )
+        })?;
+        tracing::info!(
+            source = %self.bad.name,
+            partitions = ?new.iter().map(|((t, p), o)| format!("{t}/{p}@{o}")).collect::<Vec<_>>(),
+            "reading partitions added to the topics, from their earliest offset"
+        );
+        let now = Instant::now();
+        for (p, o) in new {
+            self.times.insert(
+                p.clone(),
+                PartitionTime {
+                    max: i64::MIN,
+                    last_record: now,
+                },
+            );
+            self.positions.insert(p, o);
+        }
+        Ok(())
+    }
+
+    /// A consumer error: fatal ones fail the attempt, transient ones are
+    /// retried after a growing pause.
+    fn consumer_error(&mut self, e: &KafkaError) -> StreamResult<()> {
+        match classify(e) {
+            ErrorClass::Fatal => Err(StreamError::External {
+                operator: self.bad.name.clone(),
+                system: "kafka",
+                action: format!(
+                    "reading {} (positions {})",
+                    self.topics
+                        .iter()
+                        .map(|t| format!("{t:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    self.positions
+                        .iter()
+                        .map(|((t, p), o)| format!("{t}/{p}@{o}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                message: format!(
+                    "{e}{}; this does not heal by retrying",
+                    last_client_error(&self.consumer)
+                ),
+                retryable: false,
+            }),
+            ErrorClass::UnknownTopic => {
+                // Deleted, or not known to a broker just restarted: the
+                // metadata decides, now rather than at the next round.
+                self.discovery.next_at = Instant::now();
+                self.retry.failed(&self.bad.name, e);
+                Ok(())
+            }
+            ErrorClass::Transient => {
+                self.retry.failed(&self.bad.name, e);
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Checkpoints taken and not completed that a source keeps positions of
@@ -675,11 +895,33 @@ const IDLE_WAIT: Duration = Duration::from_millis(20);
 #[async_trait::async_trait]
 impl<D: Decode> Source<D::Out> for Reader<D> {
     async fn next_batch(&mut self) -> StreamResult<Option<Vec<D::Out>>> {
+        let now = Instant::now();
+        self.progress.called(now);
+        // Cancel safe: the pause is kept until it has passed.
+        if let Some(at) = self.retry.until {
+            tokio::time::sleep_until(at).await;
+            self.retry.until = None;
+        }
+        if let Some(new) = self.discovery.poll(&self.bad.name).await? {
+            self.assign_new(new)?;
+        }
+        if self.progress.due(now) {
+            let ends = self.consumer.context().ends();
+            let stalled = self.progress.check(
+                &self.bad.name,
+                &self.positions,
+                self.stop.as_ref(),
+                &ends,
+                now,
+            )?;
+            self.stalled.set(stalled as f64);
+        }
         if self.done() {
             self.bad.flush()?;
             return Ok(None);
         }
         let mut polled = Vec::with_capacity(self.batch_size.min(4096));
+        let mut error = None;
         let polled_at = Instant::now();
         while polled.len() < self.batch_size {
             let Some(next) = self.consumer.poll(Duration::ZERO) else {
@@ -687,18 +929,26 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             };
             let msg = match next {
                 Ok(m) => m,
-                // librdkafka reconnects by itself (broker restarts, leader
-                // changes); these are reports, not lost data.
                 Err(e) => {
-                    tracing::warn!(source = %self.bad.name, error = %e, "kafka consumer reported an error; retrying");
+                    error = Some(e);
                     break;
                 }
             };
+            self.retry.succeeded();
             // Reuse the topic's shared name: no allocation per record.
             let Some(topic) = self.topics.iter().find(|t| ***t == *msg.topic()) else {
                 continue;
             };
             let partition: Partition = (Arc::clone(topic), msg.partition());
+            if let Some(stop) = &self.stop
+                && stop.get(&partition).is_some_and(|end| msg.offset() >= *end)
+            {
+                // Past the bounded end: not read, so the position stays.
+                if self.at_end.insert(partition.clone()) {
+                    pause(&self.consumer, &partition, &self.bad.name);
+                }
+                continue;
+            }
             let Some(position) = self.positions.get_mut(&partition) else {
                 continue;
             };
@@ -710,11 +960,6 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
                 && let Some(time) = self.times.get_mut(&partition)
             {
                 time.last_record = polled_at;
-            }
-            if let Some(stop) = &self.stop
-                && stop.get(&partition).is_some_and(|end| msg.offset() >= *end)
-            {
-                continue; // past the bounded end
             }
             polled.push(Polled {
                 topic: partition.0,
@@ -740,8 +985,15 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
                 Err(reason) => self.bad.handle(p, reason)?,
             }
         }
+        if let Some(e) = error {
+            // After the records polled before it, which are processed.
+            drop(polled);
+            self.consumer_error(&e)?;
+            return Ok(Some(out));
+        }
         if polled.is_empty() {
             drop(polled);
+            self.skip_markers();
             if self.done() {
                 self.bad.flush()?;
                 return Ok(None);
@@ -828,6 +1080,338 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
     }
 }
 
+/// Stops fetching a partition that reached its bounded end; what it
+/// fetched past the end is left for a later run (the position stays).
+fn pause(consumer: &KafkaConsumer, p: &Partition, name: &str) {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(&p.0, p.1);
+    if let Err(e) = consumer.pause(&tpl) {
+        tracing::debug!(source = %name, topic = %p.0, partition = p.1, error = %e, "pausing a partition at its bounded end failed");
+    }
+}
+
+/// What a consumer error means for the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ErrorClass {
+    /// Never heals by retrying: the attempt fails, not retryable.
+    Fatal,
+    /// A topic or partition the broker does not know: deleted, or a broker
+    /// that just restarted; the metadata decides.
+    UnknownTopic,
+    /// Retried after a pause (connections, leader changes, time-outs).
+    Transient,
+}
+
+/// The class of a consumer error (see [`ErrorClass`]).
+fn classify(e: &KafkaError) -> ErrorClass {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    match e {
+        KafkaError::MessageConsumptionFatal(_) => ErrorClass::Fatal,
+        KafkaError::MessageConsumption(code) => match code {
+            // An offset that is gone (deleted records, retention) with
+            // `auto.offset.reset=error`.
+            C::AutoOffsetReset | C::OffsetOutOfRange => ErrorClass::Fatal,
+            C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::SaslAuthenticationFailed
+            | C::Authentication => ErrorClass::Fatal,
+            // A codec this build of librdkafka lacks, or data it cannot
+            // decompress.
+            C::NotImplemented | C::UnsupportedCompressionType | C::BadCompression => {
+                ErrorClass::Fatal
+            }
+            C::Fatal => ErrorClass::Fatal,
+            C::UnknownTopicOrPartition
+            | C::UnknownTopic
+            | C::UnknownPartition
+            | C::UnknownTopicId => ErrorClass::UnknownTopic,
+            _ => ErrorClass::Transient,
+        },
+        _ => ErrorClass::Transient,
+    }
+}
+
+/// The last warning or error the consumer's client logged, as a suffix for
+/// an error message (without polling: the reader's queue holds records).
+fn last_client_error(consumer: &KafkaConsumer) -> String {
+    match &*consumer
+        .context()
+        .last_error
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+    {
+        Some(e) => format!(" (last client error: {e})"),
+        None => String::new(),
+    }
+}
+
+/// The longest pause between retries of a transient consumer error.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// Pauses after transient consumer errors, growing while they come in a
+/// row: 20 ms, 40 ms, ... up to [`MAX_RETRY_PAUSE`].
+#[derive(Debug, Default)]
+struct Retry {
+    in_a_row: u32,
+    until: Option<Instant>,
+}
+
+impl Retry {
+    fn failed(&mut self, name: &str, e: &KafkaError) {
+        self.in_a_row = self.in_a_row.saturating_add(1);
+        let pause = Duration::from_millis(10u64 << self.in_a_row.min(10)).min(MAX_RETRY_PAUSE);
+        // The first of a run, then at powers of two: a broker down for
+        // minutes is a few lines, not thousands.
+        if self.in_a_row.is_power_of_two() {
+            tracing::warn!(source = %name, error = %e, in_a_row = self.in_a_row, pause_ms = pause.as_millis() as u64, "kafka consumer reported an error; retrying");
+        }
+        self.until = Some(Instant::now() + pause);
+    }
+
+    fn succeeded(&mut self) {
+        self.in_a_row = 0;
+    }
+}
+
+/// How often stalls are looked for.
+const STALL_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// A gap between two reads longer than this is time the job held the
+/// source back (backpressure, a checkpoint), not the source stalling.
+const HELD_BACK: Duration = Duration::from_secs(1);
+
+/// Progress per partition, to report partitions that make none while
+/// behind and to fail a source that makes none at all.
+struct Progress {
+    warn: Duration,
+    fail: Option<Duration>,
+    /// Per partition: its position when it last moved, and when.
+    moved: BTreeMap<Partition, (i64, Instant)>,
+    /// Partitions reported since they last moved.
+    reported: BTreeSet<Partition>,
+    /// When any partition last moved.
+    any_moved: Instant,
+    last_call: Instant,
+    next_check: Instant,
+}
+
+impl Progress {
+    fn new(
+        positions: &BTreeMap<Partition, i64>,
+        now: Instant,
+        warn: Duration,
+        fail: Option<Duration>,
+    ) -> Self {
+        Progress {
+            warn,
+            fail,
+            moved: positions
+                .iter()
+                .map(|(p, o)| (p.clone(), (*o, now)))
+                .collect(),
+            reported: BTreeSet::new(),
+            any_moved: now,
+            last_call: now,
+            next_check: now + STALL_CHECK_EVERY,
+        }
+    }
+
+    /// A read starts: time the job held the source back does not count.
+    fn called(&mut self, now: Instant) {
+        let gap = now.duration_since(self.last_call);
+        if gap > HELD_BACK {
+            for (_, since) in self.moved.values_mut() {
+                *since += gap;
+            }
+            self.any_moved += gap;
+        }
+        self.last_call = now;
+    }
+
+    fn due(&self, now: Instant) -> bool {
+        now >= self.next_check
+    }
+
+    /// Reports partitions behind (committed records not read) that have
+    /// not moved for `warn`, and those held back by an open transaction;
+    /// fails when no partition moved for `fail` while one is behind.
+    /// `ends`: (committed end, log end) per partition, from the client's
+    /// statistics. Returns the number of stalled partitions.
+    fn check(
+        &mut self,
+        name: &str,
+        positions: &BTreeMap<Partition, i64>,
+        stop: Option<&BTreeMap<Partition, i64>>,
+        ends: &HashMap<(String, i32), (i64, i64)>,
+        now: Instant,
+    ) -> StreamResult<usize> {
+        self.next_check = now + STALL_CHECK_EVERY;
+        let mut stalled = 0;
+        let mut behind = Vec::new();
+        for (p, position) in positions {
+            let (at, since) = self.moved.entry(p.clone()).or_insert((*position, now));
+            if *at != *position {
+                (*at, *since) = (*position, now);
+                self.any_moved = now;
+                self.reported.remove(p);
+                continue;
+            }
+            if stop
+                .and_then(|s| s.get(p))
+                .is_some_and(|end| position >= end)
+            {
+                continue; // a bounded read that is done with it
+            }
+            let Some(&(committed_end, log_end)) = ends.get(&(p.0.to_string(), p.1)) else {
+                continue; // no statistics yet
+            };
+            let still = now.duration_since(*since);
+            if committed_end > *position {
+                behind.push(format!(
+                    "{}/{}@{position} (committed end {committed_end})",
+                    p.0, p.1
+                ));
+                if still >= self.warn {
+                    stalled += 1;
+                    if self.reported.insert(p.clone()) {
+                        tracing::warn!(source = %name, topic = %p.0, partition = p.1, position, committed_end, still_secs = still.as_secs(), "partition makes no progress while behind");
+                    }
+                }
+            } else if log_end > *position && still >= self.warn && self.reported.insert(p.clone()) {
+                tracing::warn!(source = %name, topic = %p.0, partition = p.1, position, log_end, still_secs = still.as_secs(), "partition held back by a transaction open since offset {position}: its records are read once it is committed or aborted");
+            }
+        }
+        if let Some(fail) = self.fail
+            && !behind.is_empty()
+            && now.duration_since(self.any_moved) >= fail
+        {
+            return Err(StreamError::External {
+                operator: name.to_owned(),
+                system: "kafka",
+                action: "reading".to_owned(),
+                message: format!(
+                    "no progress for {} s while behind on {}",
+                    now.duration_since(self.any_moved).as_secs(),
+                    behind.join(", ")
+                ),
+                retryable: true,
+            });
+        }
+        Ok(stalled)
+    }
+}
+
+/// The check for deleted topics when partition discovery is off: only
+/// after an error names an unknown topic.
+const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Finds partitions added to the source's topics and topics deleted, on
+/// tokio's blocking pool (metadata requests block for up to the request
+/// time-out).
+struct Discovery {
+    /// The client that asks for metadata (never the reader's).
+    client: Arc<DropAside<KafkaConsumer>>,
+    every: Option<Duration>,
+    /// Whether new partitions are read (unbounded runs), or only deleted
+    /// topics watched for (bounded runs read what was there at start).
+    adds: bool,
+    next_at: Instant,
+    pending: Option<tokio::task::JoinHandle<StreamResult<Found>>>,
+    /// Every partition of the topics, as last seen.
+    known: BTreeSet<Partition>,
+    config: KafkaSourceConfig,
+    parallelism: usize,
+    subtask: usize,
+    /// `tinyflow_kafka_partitions_discovered_total`.
+    found: metrics::Counter,
+}
+
+/// What a discovery round found: every partition, and the earliest offsets
+/// of the new ones this subtask owns.
+struct Found {
+    all: Vec<Partition>,
+    new: BTreeMap<Partition, i64>,
+}
+
+impl Discovery {
+    /// Starts a round when one is due, and returns the new partitions of a
+    /// round that finished (with their start offsets). A deleted topic
+    /// fails the attempt for good. Cancel safe: nothing is awaited.
+    async fn poll(&mut self, name: &str) -> StreamResult<Option<BTreeMap<Partition, i64>>> {
+        if let Some(pending) = &self.pending {
+            if !pending.is_finished() {
+                return Ok(None);
+            }
+            let pending = self.pending.take().expect("checked above");
+            // Finished: the await returns at once.
+            let found = match pending.await {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::warn!(source = %name, error = %e, "partition discovery did not finish");
+                    return Ok(None);
+                }
+            };
+            return match found {
+                Ok(found) => {
+                    self.known = found.all.into_iter().collect();
+                    let new = if self.adds {
+                        found.new
+                    } else {
+                        BTreeMap::new()
+                    };
+                    if !new.is_empty() {
+                        self.found.increment(new.len() as u64);
+                    }
+                    Ok(Some(new).filter(|n| !n.is_empty()))
+                }
+                Err(e @ StreamError::Config { .. }) => Err(e),
+                Err(e) => {
+                    tracing::warn!(source = %name, error = %e, "partition discovery failed; trying again later");
+                    Ok(None)
+                }
+            };
+        }
+        let now = Instant::now();
+        if now < self.next_at {
+            return Ok(None);
+        }
+        self.next_at = now + self.every.unwrap_or(NEVER);
+        let config = self.config.clone();
+        let consumer = Arc::clone(&self.client);
+        let known = self.known.clone();
+        let (parallelism, subtask, adds) = (self.parallelism, self.subtask, self.adds);
+        let name = name.to_owned();
+        self.pending = Some(tokio::task::spawn_blocking(move || {
+            let all = config.partitions(&consumer, &name).map_err(|e| match e {
+                StreamError::Config { key, message } => StreamError::Config {
+                    key,
+                    message: format!(
+                        "{message}; the job read it before, so it was deleted or made \
+                         unavailable meanwhile"
+                    ),
+                },
+                e => e,
+            })?;
+            let new: Vec<Partition> = all
+                .iter()
+                .filter(|p| !known.contains(*p) && owner(&p.0, p.1, parallelism) == subtask)
+                .cloned()
+                .collect();
+            let new = if adds && !new.is_empty() {
+                KafkaSourceConfig {
+                    start: StartPosition::Earliest,
+                    ..config.clone()
+                }
+                .start_offsets(&consumer, &name, &new)?
+            } else {
+                BTreeMap::new()
+            };
+            Ok(Found { all, new })
+        }));
+        Ok(None)
+    }
+}
+
 /// Owns a Kafka client whose drop may block (a consumer leaving its group,
 /// a producer flushing) for as long as the broker is unreachable: it is
 /// dropped on a thread of its own, so a task that ends while the broker is
@@ -882,6 +1466,146 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+
+    #[test]
+    fn partitions_are_dealt_evenly_and_a_new_one_moves_no_other() {
+        for parallelism in 1..=5 {
+            for topic in ["bids", "a/b", "orders-v2"] {
+                let owners: Vec<usize> = (0..12).map(|p| owner(topic, p, parallelism)).collect();
+                let mut counts = vec![0; parallelism];
+                for o in &owners {
+                    counts[*o] += 1;
+                }
+                let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+                assert!(max - min <= 1, "{topic} over {parallelism}: {counts:?}");
+                // The owner of a partition depends on nothing but the
+                // topic, the partition and the parallelism.
+                assert_eq!(owners[3], owner(topic, 3, parallelism));
+            }
+        }
+        // Topics start at different subtasks, so single-partition topics
+        // spread too.
+        let starts: std::collections::BTreeSet<usize> = ["a", "b", "c", "d", "e", "f"]
+            .iter()
+            .map(|t| owner(t, 0, 3))
+            .collect();
+        assert!(starts.len() > 1, "{starts:?}");
+    }
+
+    #[test]
+    fn consumer_errors_that_never_heal_are_fatal() {
+        use rdkafka::types::RDKafkaErrorCode as C;
+        for code in [
+            C::AutoOffsetReset,
+            C::OffsetOutOfRange,
+            C::TopicAuthorizationFailed,
+            C::SaslAuthenticationFailed,
+            C::Authentication,
+            C::NotImplemented,
+            C::UnsupportedCompressionType,
+        ] {
+            assert_eq!(
+                classify(&KafkaError::MessageConsumption(code)),
+                ErrorClass::Fatal,
+                "{code:?}"
+            );
+        }
+        assert_eq!(
+            classify(&KafkaError::MessageConsumptionFatal(C::Fail)),
+            ErrorClass::Fatal
+        );
+        for code in [
+            C::UnknownTopicOrPartition,
+            C::UnknownTopic,
+            C::UnknownPartition,
+        ] {
+            assert_eq!(
+                classify(&KafkaError::MessageConsumption(code)),
+                ErrorClass::UnknownTopic
+            );
+        }
+        for code in [
+            C::BrokerTransportFailure,
+            C::AllBrokersDown,
+            C::NotLeaderForPartition,
+            C::RequestTimedOut,
+        ] {
+            assert_eq!(
+                classify(&KafkaError::MessageConsumption(code)),
+                ErrorClass::Transient,
+                "{code:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_partition_behind_without_progress_is_reported_then_fails_the_reader() {
+        let p: Partition = (Arc::from("t"), 0);
+        let q: Partition = (Arc::from("t"), 1);
+        let mut positions = BTreeMap::from([(p.clone(), 10), (q.clone(), 5)]);
+        let start = Instant::now();
+        let mut progress = Progress::new(
+            &positions,
+            start,
+            Duration::from_secs(2),
+            Some(Duration::from_secs(5)),
+        );
+        // p is behind (committed end 20); q is at its committed end, held
+        // back by an open transaction (log end 9): reported, never failed.
+        let ends = HashMap::from([
+            (("t".to_owned(), 0), (20, 20)),
+            (("t".to_owned(), 1), (5, 9)),
+        ]);
+        let mut at = |secs: u64| start + Duration::from_secs(secs);
+        for s in 1..=4 {
+            let now = at(s);
+            progress.called(now);
+            let stalled = progress.check("src", &positions, None, &ends, now).unwrap();
+            assert_eq!(stalled, usize::from(s >= 2), "at {s} s");
+        }
+        // Progress on p resets it, and the subtask's clock.
+        positions.insert(p.clone(), 11);
+        let now = at(5);
+        progress.called(now);
+        assert_eq!(
+            progress.check("src", &positions, None, &ends, now).unwrap(),
+            0
+        );
+        // Held back by the job for 10 s (one call after a long gap): not a
+        // stall.
+        let now = at(15);
+        progress.called(now);
+        assert_eq!(
+            progress.check("src", &positions, None, &ends, now).unwrap(),
+            0
+        );
+        // Then no progress for 5 s while behind: failed, naming p.
+        for s in 16..=19 {
+            let now = at(s);
+            progress.called(now);
+            progress.check("src", &positions, None, &ends, now).unwrap();
+        }
+        let now = at(20);
+        progress.called(now);
+        let err = progress
+            .check("src", &positions, None, &ends, now)
+            .unwrap_err();
+        assert!(err.is_retryable());
+        let text = err.to_string();
+        assert!(
+            text.contains("no progress for 5 s") && text.contains("t/0@11"),
+            "{text}"
+        );
+        assert!(!text.contains("t/1"), "{text}");
+        // A bounded read done with p does not count it as behind.
+        let stop = BTreeMap::from([(p.clone(), 11), (q.clone(), 5)]);
+        assert_eq!(
+            progress
+                .check("src", &positions, Some(&stop), &ends, at(21))
+                .unwrap(),
+            0
+        );
+    }
 
     #[test]
     fn offsets_read_back_from_positions_and_bad_entries_are_named() {

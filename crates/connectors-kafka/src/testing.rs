@@ -253,3 +253,130 @@ pub fn read_topic(
     }
     Ok(out)
 }
+
+fn admin(bootstrap: &str) -> Result<AdminClient<DefaultClientContext>, String> {
+    ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .map_err(|e| e.to_string())
+}
+
+fn admin_options() -> AdminOptions {
+    AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)))
+}
+
+/// Grows `topic` to `total` partitions.
+pub async fn add_partitions(bootstrap: &str, topic: &str, total: usize) -> Result<(), String> {
+    let more = rdkafka::admin::NewPartitions::new(topic, total);
+    for r in admin(bootstrap)?
+        .create_partitions([&more], &admin_options())
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        r.map_err(|(t, e)| format!("adding partitions to {t}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Deletes `topic`.
+pub async fn delete_topic(bootstrap: &str, topic: &str) -> Result<(), String> {
+    for r in admin(bootstrap)?
+        .delete_topics(&[topic], &admin_options())
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        r.map_err(|(t, e)| format!("deleting {t}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Deletes the records of `topic`'s `partition` before `offset` (as
+/// `kafka-delete-records` does).
+pub async fn delete_records_before(
+    bootstrap: &str,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> Result<(), String> {
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, rdkafka::Offset::Offset(offset))
+        .map_err(|e| e.to_string())?;
+    let done = admin(bootstrap)?
+        .delete_records(&tpl, &admin_options())
+        .await
+        .map_err(|e| e.to_string())?;
+    for e in done.elements() {
+        e.error()
+            .map_err(|e| format!("deleting records of {topic}/{partition}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// A transactional producer, as an exactly-once pipeline upstream writes:
+/// its records are visible to `read_committed` readers only once a
+/// transaction commits, and each transaction ends with a marker in every
+/// partition it wrote.
+pub struct TxProducer {
+    producer: BaseProducer,
+    topic: String,
+}
+
+impl std::fmt::Debug for TxProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxProducer")
+            .field("topic", &self.topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TxProducer {
+    /// A producer of `topic` with `transactional_id`, its transactions
+    /// initialised (fencing an earlier producer of the same id).
+    pub fn new(bootstrap: &str, topic: &str, transactional_id: &str) -> Result<Self, String> {
+        let producer: BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .set("transactional.id", transactional_id)
+            .set("linger.ms", "5")
+            .create()
+            .map_err(|e| e.to_string())?;
+        producer
+            .init_transactions(FLUSH_WITHIN)
+            .map_err(|e| format!("initialising transactions: {e}"))?;
+        Ok(TxProducer {
+            producer,
+            topic: topic.to_owned(),
+        })
+    }
+
+    /// Begins a transaction and sends `records` (partition, value) in it,
+    /// waiting until the broker has them (still uncommitted).
+    pub fn send(&self, records: &[(i32, Vec<u8>)]) -> Result<(), String> {
+        self.producer
+            .begin_transaction()
+            .map_err(|e| format!("beginning a transaction: {e}"))?;
+        for (partition, value) in records {
+            let record = BaseRecord::<[u8], [u8]>::to(&self.topic)
+                .partition(*partition)
+                .payload(value.as_slice());
+            send_with_room(&self.producer, record).map_err(|e| e.to_string())?;
+            self.producer.poll(Duration::ZERO);
+        }
+        self.producer
+            .flush(FLUSH_WITHIN)
+            .map_err(|e| format!("flushing: {e}"))
+    }
+
+    /// Commits the open transaction.
+    pub fn commit(&self) -> Result<(), String> {
+        self.producer
+            .commit_transaction(FLUSH_WITHIN)
+            .map_err(|e| format!("committing: {e}"))
+    }
+
+    /// Aborts the open transaction.
+    pub fn abort(&self) -> Result<(), String> {
+        self.producer
+            .abort_transaction(FLUSH_WITHIN)
+            .map_err(|e| format!("aborting: {e}"))
+    }
+}
