@@ -84,7 +84,7 @@ async fn run(
         KafkaSource::new(config, Format::<Rec>::json()),
     )
     .map("id", move |r: KafkaRecord<Rec>| {
-        if slow && r.offset % 50 == 0 {
+        if slow && r.offset % 10 == 0 {
             std::thread::sleep(Duration::from_millis(2));
         }
         r.value.id
@@ -474,4 +474,33 @@ async fn a_reader_stalled_while_behind_fails_after_the_limit() {
         "failed before the limit: {text}"
     );
     drop(broker);
+}
+
+/// A bounded reader whose partition grows after its start: it reads up to
+/// the end of its start and its position stays there, though it fetched
+/// the records after it, so the next run reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_reader_keeps_its_position_at_the_end_of_its_start() {
+    let topic = fresh("bounded-end");
+    create_topic(&bootstrap(), &topic, 1).await.unwrap();
+    produce(&bootstrap(), &topic, &records(0..1_000, 1)).unwrap();
+    let mut cfg = config(&topic, true);
+    // A poll that straddles the end.
+    cfg.batch_size = 128;
+    let mut r = reader(cfg);
+    // Written after the start, before the first fetch: fetched with the rest.
+    produce(&bootstrap(), &topic, &records(1_000..1_500, 1)).unwrap();
+    let mut ids = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while let Some(batch) = r.next_batch().await.unwrap() {
+        ids.extend(batch.into_iter().map(|rec| rec.value.id));
+        assert!(Instant::now() < deadline, "no end after 30 s");
+    }
+    assert_once(ids, 0..1_000, "a bounded read");
+    let at = r.positions();
+    assert_eq!(
+        at.get(&format!("{topic}/0")).map(String::as_str),
+        Some("1000"),
+        "{at:?}"
+    );
 }
