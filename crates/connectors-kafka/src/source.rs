@@ -16,11 +16,11 @@ use tinyflow_api::{
 };
 use tokio::time::Instant;
 
+use crate::bad_record::{BadRecord, BadRecords};
 use crate::config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
     TimeFrom, is_secret,
 };
-use crate::bad_record::{BadReason, BadRecord, BadRecords};
 use crate::dead_letter::DeadLetter;
 
 /// One Kafka record with its decoded value.
@@ -387,7 +387,7 @@ impl<V: tinyflow_api::Data> SourceFactory<KafkaRecord<V>> for KafkaSource<V> {
         restored: &[Vec<u8>],
     ) -> StreamResult<Box<dyn Source<KafkaRecord<V>>>> {
         let decoder = RecordDecoder {
-            format: self.format.clone(),
+            format: self.format.with_limits(&self.config),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
         };
         open(
@@ -440,7 +440,7 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
         outcomes: &mut Vec<Outcome>,
     ) {
         for Polled { topic, msg } in polled {
-            match (self.format.decode)(msg.payload().unwrap_or_default()) {
+            match self.format.decode(msg.payload().unwrap_or_default()) {
                 Ok(value) => {
                     let time = match &self.from {
                         None => None,
@@ -467,7 +467,7 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
                     });
                     outcomes.push(Ok(time));
                 }
-                Err(detail) => outcomes.push(Err(BadRecord::new(BadReason::Undecodable, detail))),
+                Err(bad) => outcomes.push(Err(bad)),
             }
         }
     }
