@@ -99,6 +99,9 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
                 max_out_of_orderness: Some("5s".to_owned()),
                 idle_timeout: None,
             }),
+            max_record_bytes: None,
+            max_nesting_depth: None,
+            coerce: Vec::new(),
         },
         transforms: vec![
             TransformSection {
