@@ -63,10 +63,10 @@ pub(crate) enum Kind {
 impl Kind {
     fn name(self) -> &'static str {
         match self {
-            Kind::Integer { .. } => "integer",
-            Kind::Timestamp { .. } => "timestamp",
-            Kind::Date => "date",
-            Kind::Float32 | Kind::Float64 => "float",
+            Kind::Integer { .. } => "an integer",
+            Kind::Timestamp { .. } => "a timestamp",
+            Kind::Date => "a date",
+            Kind::Float32 | Kind::Float64 => "a float",
         }
     }
 }
@@ -497,14 +497,14 @@ fn check_string(kind: Kind, s: &[u8], escaped: bool, allow: &Allow) -> Result<()
                 );
             if numeric {
                 Err(lossy(format!(
-                    "the string \"{}\" in a {} column (coercion string-to-number parses it)",
+                    "the string \"{}\" in {} column (coercion string-to-number parses it)",
                     shown(t.as_bytes()),
                     kind.name()
                 )))
             } else {
                 Err(BadRecord::new(
                     BadReason::SchemaMismatch,
-                    format!("the string \"{}\" in a {} column", shown(s), kind.name()),
+                    format!("the string \"{}\" in {} column", shown(s), kind.name()),
                 ))
             }
         }
