@@ -176,10 +176,7 @@ impl JsonArrow {
 }
 
 fn int(min: impl Into<i128>, max: impl Into<i128>) -> Kind {
-    Kind::Integer {
-        min: min.into(),
-        max: max.into(),
-    }
+    Kind::integer(min.into(), max.into())
 }
 
 impl EventTime<RecordBatch> {
@@ -348,11 +345,8 @@ impl JsonArrowDecoder {
     /// Decodes `payloads`, leaving in `self.bad` why each is bad.
     fn decode_batch(&mut self, payloads: &[&[u8]]) -> Option<RecordBatch> {
         self.bad.clear();
-        self.bad.extend(
-            payloads
-                .iter()
-                .map(|p| scan(p, &self.limits, &self.columns).err()),
-        );
+        self.bad.resize(payloads.len(), None);
+        let mut scanned = 0;
         loop {
             let mut decoder = match self.format.decoder(payloads.len()) {
                 Ok(d) => d,
@@ -362,7 +356,7 @@ impl JsonArrowDecoder {
                     return None;
                 }
             };
-            if !self.feed(payloads, &mut decoder) {
+            if !self.feed(payloads, &mut scanned, &mut decoder) {
                 continue;
             }
             match decoder.flush() {
@@ -393,11 +387,19 @@ impl JsonArrowDecoder {
         self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
     }
 
-    /// Feeds the records not known bad to a fresh decoder. A record that is
-    /// not exactly one complete JSON value is marked bad and `false` is
+    /// Feeds the records not known bad to a fresh decoder, scanning each
+    /// first (those from `scanned` on: a record is scanned once, just before
+    /// it is fed, while its bytes are in cache). A record that is not
+    /// exactly one complete JSON value is marked bad and `false` is
     /// returned: the decoder is spoilt, start again.
-    fn feed(&mut self, payloads: &[&[u8]], decoder: &mut Decoder) -> bool {
+    fn feed(&mut self, payloads: &[&[u8]], scanned: &mut usize, decoder: &mut Decoder) -> bool {
         for (i, payload) in payloads.iter().enumerate() {
+            if i >= *scanned {
+                *scanned = i + 1;
+                if let Err(bad) = scan(payload, &self.limits, &self.columns) {
+                    self.bad[i] = Some(bad);
+                }
+            }
             if self.bad[i].is_some() {
                 continue;
             }
