@@ -758,6 +758,134 @@ async fn json_into_arrow_batches_under_each_bad_record_policy() {
     );
 }
 
+/// The bad values of `hostile_and_lossy_values_are_bad_records_with_their_reason`
+/// and the text of their reason in the error (`BadRecord`'s display).
+fn hostile_values() -> Vec<(Vec<u8>, &'static str)> {
+    let depth = 100_000;
+    vec![
+        (
+            br#"{"id": 1.5, "name": "fraction", "ts": 1}"#.to_vec(),
+            "not exactly representable in its column",
+        ),
+        (
+            br#"{"id": 3, "name": "numeric string", "ts": "12"}"#.to_vec(),
+            "not exactly representable in its column",
+        ),
+        (
+            format!(
+                r#"{{"id": {}{}, "name": "deep", "ts": 1}}"#,
+                "[".repeat(depth),
+                "]".repeat(depth)
+            )
+            .into_bytes(),
+            "nested too deep",
+        ),
+        (
+            format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth)).into_bytes(),
+            "nested too deep",
+        ),
+        (
+            format!(r#"{{"id": 4, "name": "{}", "ts": 1}}"#, "x".repeat(700_000)).into_bytes(),
+            "record too large",
+        ),
+        (
+            br#"{"id": 1e999999, "name": "huge", "ts": 1}"#.to_vec(),
+            "not exactly representable in its column",
+        ),
+    ]
+}
+
+/// Reads `topic` (one partition) into Arrow batches with `policy` and a
+/// 650 kB record limit (above the deep values, below the large one, below
+/// the broker's 1 MB); returns the ids read.
+async fn run_limited(topic: &str, policy: BadRecordPolicy) -> Result<Vec<u64>, Error> {
+    let mut config = source_config(topic, &fresh_topic("group"));
+    config.bad_records = policy;
+    config.max_record_bytes = 650_000;
+    let sink = CollectingSink::<u64>::new();
+    let job = JobBuilder::new(JobId::new("kafka-hostile").unwrap());
+    job.source(
+        "kafka",
+        1,
+        KafkaArrowSource::new(config, JsonArrow::new(row_schema())),
+    )
+    .flat_map("ids", |batch: RecordBatch| {
+        let ids = batch.column_by_name("id").unwrap().clone();
+        let ids = ids.as_any().downcast_ref::<Int64Array>().unwrap().clone();
+        ids.values().iter().map(|i| *i as u64).collect::<Vec<_>>()
+    })
+    .sink("out", 1, sink.clone());
+    JobRunner::new(
+        job.build().unwrap(),
+        Arc::new(MemoryCheckpointStore::new()),
+        runtime_config(RestartStrategy::None),
+    )
+    .run()
+    .await?;
+    let mut ids = sink.committed();
+    ids.sort_unstable();
+    Ok(ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_and_lossy_values_are_bad_records_with_their_reason() {
+    let topic = fresh_topic("hostile");
+    create_topic(&bootstrap(), &topic, 1).await.unwrap();
+    let hostile = hostile_values();
+    // 20 good rows around each bad value; offsets are positions.
+    let mut records = Vec::new();
+    let mut bad_offsets = Vec::new();
+    let mut good = 0u64;
+    for (bad, _) in &hostile {
+        for _ in 0..20 {
+            let value = serde_json::json!({"id": good, "name": format!("n{good}"), "ts": 1_000});
+            records.push((0, Vec::new(), serde_json::to_vec(&value).unwrap()));
+            good += 1;
+        }
+        bad_offsets.push(records.len() as i64);
+        records.push((0, Vec::new(), bad.clone()));
+    }
+    produce(&bootstrap(), &topic, &records).unwrap();
+
+    // Skip: every good row arrives, once, and the process lives.
+    let ids = run_limited(&topic, BadRecordPolicy::Skip).await.unwrap();
+    assert_eq!(ids, (0..good).collect::<Vec<_>>());
+
+    // Dead letter: each bad value with its reason.
+    let dlq = fresh_topic("hostile-dead-letters");
+    create_topic(&bootstrap(), &dlq, 1).await.unwrap();
+    let ids_dl = run_limited(&topic, BadRecordPolicy::DeadLetter { topic: dlq.clone() })
+        .await
+        .unwrap();
+    assert_eq!(ids_dl, ids);
+    let letters = read_topic(&bootstrap(), &dlq, hostile.len(), Duration::from_secs(30)).unwrap();
+    assert_eq!(letters.len(), hostile.len());
+    for l in &letters {
+        let offset: i64 = l.header("tinyflow.source.offset").unwrap().parse().unwrap();
+        let i = bad_offsets
+            .iter()
+            .position(|o| *o == offset)
+            .unwrap_or_else(|| panic!("a dead letter from offset {offset}, not a bad one"));
+        let error = l.header("tinyflow.error").unwrap();
+        assert!(
+            error.starts_with(hostile[i].1),
+            "offset {offset}: {error:.300}"
+        );
+        assert!(error.len() <= 1100, "{} bytes of reason", error.len());
+        assert_eq!(l.value.as_deref(), Some(&hostile[i].0[..]));
+    }
+
+    // Fail: the first bad record stops the job, named with its reason.
+    let err = run_limited(&topic, BadRecordPolicy::Fail)
+        .await
+        .unwrap_err();
+    let text = tinyflow_api::error_chain(&err);
+    assert!(
+        text.contains(&format!("{topic}/0@{}", bad_offsets[0])) && text.contains(hostile[0].1),
+        "{text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn arrow_event_time_from_a_column() {
     let topic = fresh_topic("arrow-time");

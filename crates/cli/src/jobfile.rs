@@ -98,6 +98,16 @@ pub struct SourceSection {
     pub fields: Vec<FieldSection>,
     /// `[source.event_time]`
     pub event_time: Option<EventTimeSection>,
+    /// A larger record value is bad (`too_large`); default 8 MiB.
+    pub max_record_bytes: Option<usize>,
+    /// A JSON value nested deeper is bad (`too_deep`); default 64, at most
+    /// 1024.
+    pub max_nesting_depth: Option<usize>,
+    /// Lossy conversions allowed: `fraction-to-integer`,
+    /// `string-to-number`, `truncate-time` (default none: such a value is a
+    /// bad record, `lossy_conversion`).
+    #[serde(default)]
+    pub coerce: Vec<String>,
 }
 
 /// One field of the source schema.

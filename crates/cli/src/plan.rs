@@ -17,8 +17,8 @@ use tinyflow_connectors_iceberg::{
     FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
 };
 use tinyflow_connectors_kafka::{
-    BadRecordPolicy, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig, StartPosition,
-    offsets_of_positions,
+    BadRecordPolicy, Coercion, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig,
+    StartPosition, offsets_of_positions,
 };
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
@@ -194,6 +194,12 @@ fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobF
         ));
     }
     c.properties = s.properties.clone();
+    if let Some(b) = s.max_record_bytes {
+        c.max_record_bytes = b;
+    }
+    if let Some(d) = s.max_nesting_depth {
+        c.max_nesting_depth = d;
+    }
     Ok(c)
 }
 
@@ -366,6 +372,18 @@ impl JobFile {
         }
         if s.metadata_columns {
             format = format.with_metadata_columns();
+        }
+        for (i, name) in s.coerce.iter().enumerate() {
+            let Some(c) = Coercion::from_name(name.trim()) else {
+                return Err(err(
+                    &format!("source.coerce[{i}]"),
+                    format!(
+                        "`{name}`: expected one of {}",
+                        Coercion::ALL.map(Coercion::name).join(", ")
+                    ),
+                ));
+            };
+            format = format.coerce(c);
         }
         let mut kafka = source_config(s, &self.job.name)?;
         if let Some(start) = start {
@@ -746,7 +764,7 @@ mod tests {
         for (edit, want) in [
             (
                 ("retained = 3", "retaind = 3"),
-                "job.toml:73: `retaind = 3`: unknown field `retaind`",
+                "job.toml:76: `retaind = 3`: unknown field `retaind`",
             ),
             (
                 ("parallelism = 2 ", "parallelism = \"two\" "),
@@ -767,6 +785,18 @@ mod tests {
             (
                 ("bad_records = \"skip\"", "bad_records = \"ignore\""),
                 "source.bad_records: `ignore`: expected fail, skip or dead-letter:<topic>",
+            ),
+            (
+                ("coerce = []", "coerce = [\"string-to-number\", \"round\"]"),
+                "source.coerce[1]: `round`: expected one of fraction-to-integer, string-to-number, truncate-time",
+            ),
+            (
+                ("max_nesting_depth = 64", "max_nesting_depth = 5000"),
+                "source.max_nesting_depth: 5000: expected 1 to 1024",
+            ),
+            (
+                ("max_record_bytes = 8388608", "max_record_bytes = 0"),
+                "source.max_record_bytes: expected at least 1",
             ),
             (
                 (

@@ -13,6 +13,7 @@ use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamRe
 
 use crate::bad_record::{BadReason, BadRecord};
 use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
+use crate::scan::{Allow, Columns, Kind, Limits, scan};
 use crate::source::{Decode, Outcome, Polled, open};
 
 /// The columns [`JsonArrow::with_metadata_columns`] appends.
@@ -23,13 +24,63 @@ pub const METADATA_COLUMNS: [&str; 4] = [
     "_kafka_timestamp",
 ];
 
+/// A lossy conversion a [`JsonArrow`] format can be told to allow with
+/// [`JsonArrow::coerce`]. By default a value that does not fit its column
+/// exactly makes its record bad ([`BadReason::LossyConversion`]), where
+/// arrow-json alone would convert it silently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Coercion {
+    /// A number with a fraction into an integer, date or timestamp column,
+    /// truncated toward zero (`1.5` -> 1). `1.0` and `1.5e1` are exact and
+    /// need no coercion. Out of range stays bad.
+    FractionToInteger,
+    /// A string holding a number into an integer or float column, parsed
+    /// (`"12"` -> 12).
+    StringToNumber,
+    /// A timestamp string more precise than its column, the extra digits
+    /// dropped (nanoseconds into a microsecond column); a date-time string
+    /// into a date column, the date of its UTC instant kept.
+    TruncateTime,
+}
+
+impl Coercion {
+    /// Every coercion.
+    pub const ALL: [Coercion; 3] = [
+        Coercion::FractionToInteger,
+        Coercion::StringToNumber,
+        Coercion::TruncateTime,
+    ];
+
+    /// Its name in job files: `fraction-to-integer`, `string-to-number`,
+    /// `truncate-time`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Coercion::FractionToInteger => "fraction-to-integer",
+            Coercion::StringToNumber => "string-to-number",
+            Coercion::TruncateTime => "truncate-time",
+        }
+    }
+
+    /// The coercion of this [`name`](Coercion::name).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Coercion::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
 /// JSON objects decoded into Arrow batches of a declared schema
 /// (arrow-json): each poll of up to `batch_size` records becomes one batch.
+///
+/// Each payload is first scanned once (bounded by the source's
+/// `max_record_bytes` and `max_nesting_depth`): the value of every
+/// top-level field whose column is an integer, float, date or timestamp
+/// must fit it exactly, unless a [`Coercion`] allows otherwise. Values of
+/// other types, and nested values, are checked by arrow-json alone.
 #[derive(Debug, Clone)]
 pub struct JsonArrow {
     schema: SchemaRef,
     strict: bool,
     metadata: bool,
+    allow: Allow,
 }
 
 impl JsonArrow {
@@ -41,7 +92,18 @@ impl JsonArrow {
             schema,
             strict: false,
             metadata: false,
+            allow: Allow::default(),
         }
+    }
+
+    /// Allows one lossy conversion (see [`Coercion`]); call once for each.
+    pub fn coerce(mut self, coercion: Coercion) -> Self {
+        match coercion {
+            Coercion::FractionToInteger => self.allow.fraction_to_integer = true,
+            Coercion::StringToNumber => self.allow.string_to_number = true,
+            Coercion::TruncateTime => self.allow.truncate_time = true,
+        }
+        self
     }
 
     /// A record with a field the schema lacks is a bad record.
@@ -81,6 +143,40 @@ impl JsonArrow {
             .build_decoder()
             .map_err(|e| e.to_string())
     }
+
+    /// The columns the pre-scan checks, with what each takes.
+    fn columns(&self) -> Columns {
+        let checked = self.schema.fields().iter().filter_map(|f| {
+            let kind = match f.data_type() {
+                DataType::Int8 => int(i8::MIN, i8::MAX),
+                DataType::Int16 => int(i16::MIN, i16::MAX),
+                DataType::Int32 => int(i32::MIN, i32::MAX),
+                DataType::Int64 => int(i64::MIN, i64::MAX),
+                DataType::UInt8 => int(0, u8::MAX),
+                DataType::UInt16 => int(0, u16::MAX),
+                DataType::UInt32 => int(0, u32::MAX),
+                DataType::UInt64 => int(0, u64::MAX),
+                DataType::Float32 => Kind::Float32,
+                DataType::Float64 => Kind::Float64,
+                DataType::Date32 => Kind::Date,
+                DataType::Timestamp(unit, _) => Kind::Timestamp {
+                    digits: match unit {
+                        TimeUnit::Second => 0,
+                        TimeUnit::Millisecond => 3,
+                        TimeUnit::Microsecond => 6,
+                        TimeUnit::Nanosecond => 9,
+                    },
+                },
+                _ => return None,
+            };
+            Some((f.name().clone(), kind))
+        });
+        Columns::new(checked, self.allow)
+    }
+}
+
+fn int(min: impl Into<i128>, max: impl Into<i128>) -> Kind {
+    Kind::integer(min.into(), max.into())
 }
 
 impl EventTime<RecordBatch> {
@@ -125,8 +221,10 @@ impl KafkaArrowSource {
         self.format.output_schema()
     }
 
-    /// Checks the schema and the event-time column without connecting.
+    /// Checks the schema, the limits and the event-time column without
+    /// connecting.
     pub fn validate(&self) -> StreamResult<()> {
+        self.config.validate_limits()?;
         self.format.decoder(1).map_err(|e| StreamError::Config {
             key: "source.schema",
             message: format!("the JSON decoder rejects the declared schema: {e}"),
@@ -178,10 +276,9 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
     ) -> StreamResult<Box<dyn Source<RecordBatch>>> {
         self.validate()?;
         let decoder = ArrowDecoder {
-            format: self.format.clone(),
+            payloads: JsonArrowDecoder::with_limits(&self.format, self.config.limits()),
             output: self.format.output_schema(),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
-            bad: Vec::new(),
         };
         open(
             &self.config,
@@ -193,24 +290,119 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
     }
 }
 
-struct ArrowDecoder {
+/// Decodes the payloads of one poll into one batch as
+/// [`KafkaArrowSource`] does, without Kafka (for benches and tests): each
+/// payload is scanned (limits, exact fit), the rest are decoded together,
+/// and a bad one never takes a good one with it.
+#[derive(Debug)]
+pub struct JsonArrowDecoder {
     format: JsonArrow,
-    output: SchemaRef,
-    from: Option<TimeFrom<RecordBatch>>,
-    /// Per polled record of the current batch: why it is bad, if it is.
+    columns: Columns,
+    limits: Limits,
+    /// Per payload of the current batch: why it is bad, if it is.
     bad: Vec<Option<BadRecord>>,
 }
 
-impl ArrowDecoder {
-    /// Feeds the records not known bad to a fresh decoder. A record that is
-    /// not exactly one complete JSON value is marked bad and `false` is
+impl JsonArrowDecoder {
+    /// A decoder for `format` with these limits (see
+    /// [`KafkaSourceConfig::max_record_bytes`] and
+    /// [`KafkaSourceConfig::max_nesting_depth`]).
+    pub fn new(format: &JsonArrow, max_record_bytes: usize, max_nesting_depth: usize) -> Self {
+        Self::with_limits(
+            format,
+            Limits {
+                max_bytes: max_record_bytes,
+                max_depth: max_nesting_depth,
+            },
+        )
+    }
+
+    fn with_limits(format: &JsonArrow, limits: Limits) -> Self {
+        JsonArrowDecoder {
+            format: format.clone(),
+            columns: format.columns(),
+            limits,
+            bad: Vec::new(),
+        }
+    }
+
+    /// Decodes `payloads`: the batch of the good ones, in order (without
+    /// metadata columns; `None` when none is good), and per payload why it
+    /// is bad, if it is.
+    pub fn decode(
+        &mut self,
+        payloads: &[&[u8]],
+    ) -> (Option<RecordBatch>, Vec<Option<(BadReason, String)>>) {
+        let batch = self.decode_batch(payloads);
+        let bad = self
+            .bad
+            .drain(..)
+            .map(|b| b.map(|b| (b.reason, b.detail)))
+            .collect();
+        (batch, bad)
+    }
+
+    /// Decodes `payloads`, leaving in `self.bad` why each is bad.
+    fn decode_batch(&mut self, payloads: &[&[u8]]) -> Option<RecordBatch> {
+        self.bad.clear();
+        self.bad.resize(payloads.len(), None);
+        let mut scanned = 0;
+        loop {
+            let mut decoder = match self.format.decoder(payloads.len()) {
+                Ok(d) => d,
+                Err(e) => {
+                    // Checked at create; cannot happen with the same schema.
+                    self.all_bad(BadReason::SchemaMismatch, e);
+                    return None;
+                }
+            };
+            if !self.feed(payloads, &mut scanned, &mut decoder) {
+                continue;
+            }
+            match decoder.flush() {
+                Ok(batch) => return batch,
+                // A value that does not fit the schema: find which.
+                Err(e) => match self.isolate(payloads) {
+                    Ok(0) => {
+                        self.all_bad(
+                            BadReason::SchemaMismatch,
+                            format!(
+                                "the batch does not decode, though each record alone does: {e}"
+                            ),
+                        );
+                        return None;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        self.all_bad(BadReason::SchemaMismatch, e);
+                        return None;
+                    }
+                },
+            }
+        }
+    }
+
+    fn all_bad(&mut self, reason: BadReason, detail: String) {
+        let bad = BadRecord::new(reason, detail);
+        self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
+    }
+
+    /// Feeds the records not known bad to a fresh decoder, scanning each
+    /// first (those from `scanned` on: a record is scanned once, just before
+    /// it is fed, while its bytes are in cache). A record that is not
+    /// exactly one complete JSON value is marked bad and `false` is
     /// returned: the decoder is spoilt, start again.
-    fn feed(&mut self, polled: &[Polled<'_>], decoder: &mut Decoder) -> bool {
-        for (i, p) in polled.iter().enumerate() {
+    fn feed(&mut self, payloads: &[&[u8]], scanned: &mut usize, decoder: &mut Decoder) -> bool {
+        for (i, payload) in payloads.iter().enumerate() {
+            if i >= *scanned {
+                *scanned = i + 1;
+                if let Err(bad) = scan(payload, &self.limits, &self.columns) {
+                    self.bad[i] = Some(bad);
+                }
+            }
             if self.bad[i].is_some() {
                 continue;
             }
-            let payload = p.msg.payload().unwrap_or_default();
             let before = decoder.len();
             let problem = match decoder.decode(payload) {
                 Err(e) => Some(format!("{e}")),
@@ -231,16 +423,14 @@ impl ArrowDecoder {
     }
 
     /// Finds the records a whole-batch decode failed on: each alone.
-    fn isolate(&mut self, polled: &[Polled<'_>]) -> Result<usize, String> {
+    fn isolate(&mut self, payloads: &[&[u8]]) -> Result<usize, String> {
         let mut found = 0;
-        for (i, p) in polled.iter().enumerate() {
+        for (i, payload) in payloads.iter().enumerate() {
             if self.bad[i].is_some() {
                 continue;
             }
             let mut one = self.format.decoder(1)?;
-            let result = one
-                .decode(p.msg.payload().unwrap_or_default())
-                .and_then(|_| one.flush());
+            let result = one.decode(payload).and_then(|_| one.flush());
             if let Err(e) = result {
                 self.bad[i] = Some(BadRecord::new(BadReason::SchemaMismatch, e.to_string()));
                 found += 1;
@@ -248,13 +438,21 @@ impl ArrowDecoder {
         }
         Ok(found)
     }
+}
 
+struct ArrowDecoder {
+    payloads: JsonArrowDecoder,
+    output: SchemaRef,
+    from: Option<TimeFrom<RecordBatch>>,
+}
+
+impl ArrowDecoder {
     fn with_metadata(
         &self,
         batch: RecordBatch,
         good: &[&Polled<'_>],
     ) -> Result<RecordBatch, String> {
-        if !self.format.metadata {
+        if !self.payloads.format.metadata {
             return Ok(batch);
         }
         let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
@@ -315,47 +513,14 @@ impl Decode for ArrowDecoder {
         out: &mut Vec<RecordBatch>,
         outcomes: &mut Vec<Outcome>,
     ) {
-        self.bad.clear();
-        self.bad.resize(polled.len(), None);
-        let batch = loop {
-            let mut decoder = match self.format.decoder(polled.len()) {
-                Ok(d) => d,
-                Err(e) => {
-                    // Checked at create; cannot happen with the same schema.
-                    let bad = BadRecord::new(BadReason::SchemaMismatch, e);
-                    self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
-                    break None;
-                }
-            };
-            if !self.feed(polled, &mut decoder) {
-                continue;
-            }
-            match decoder.flush() {
-                Ok(batch) => break batch,
-                // A value that does not fit the schema: find which.
-                Err(e) => match self.isolate(polled) {
-                    Ok(0) => {
-                        let bad = BadRecord::new(
-                            BadReason::SchemaMismatch,
-                            format!(
-                                "the batch does not decode, though each record alone does: {e}"
-                            ),
-                        );
-                        self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
-                        break None;
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        let bad = BadRecord::new(BadReason::SchemaMismatch, e);
-                        self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
-                        break None;
-                    }
-                },
-            }
-        };
+        let payloads: Vec<&[u8]> = polled
+            .iter()
+            .map(|p| p.msg.payload().unwrap_or_default())
+            .collect();
+        let batch = self.payloads.decode_batch(&payloads);
         let good: Vec<&Polled<'_>> = polled
             .iter()
-            .zip(&self.bad)
+            .zip(&self.payloads.bad)
             .filter(|(_, b)| b.is_none())
             .map(|(p, _)| p)
             .collect();
@@ -374,18 +539,330 @@ impl Decode for ArrowDecoder {
                 Ok(batch) => out.push(batch),
                 Err(e) => {
                     // Cannot happen: the columns are built to the schema.
-                    let bad = BadRecord::new(BadReason::SchemaMismatch, e);
-                    self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
+                    self.payloads.all_bad(BadReason::SchemaMismatch, e);
                 }
             }
         }
         row_times.resize(good.len(), None);
         let mut row = row_times.into_iter();
-        for bad in self.bad.drain(..) {
+        for bad in self.payloads.bad.drain(..) {
             outcomes.push(match bad {
                 Some(reason) => Err(reason),
                 None => Ok(row.next().flatten()),
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A Nexmark bid's schema.
+    fn bids() -> JsonArrow {
+        JsonArrow::new(Arc::new(Schema::new(vec![
+            Field::new("auction", DataType::Int64, false),
+            Field::new("bidder", DataType::Int64, false),
+            Field::new("price", DataType::Int64, true),
+            Field::new("channel", DataType::Utf8, true),
+            Field::new("url", DataType::Utf8, true),
+            Field::new("date_time", DataType::Int64, false),
+            Field::new("extra", DataType::Utf8, true),
+        ])))
+    }
+
+    fn bid(price: &str) -> String {
+        format!(
+            r#"{{"auction":1000,"bidder":2001,"price":{price},"channel":"Google","url":"https://www.nexmark.com/x","date_time":1700000000000,"extra":"abc"}}"#
+        )
+    }
+
+    fn decoder(format: &JsonArrow) -> JsonArrowDecoder {
+        JsonArrowDecoder::new(
+            format,
+            KafkaSourceConfig::DEFAULT_MAX_RECORD_BYTES,
+            KafkaSourceConfig::DEFAULT_MAX_NESTING_DEPTH,
+        )
+    }
+
+    fn prices(batch: &RecordBatch) -> Vec<Option<i64>> {
+        let c = batch.column_by_name("price").expect("a price column");
+        c.as_primitive::<Int64Type>().iter().collect()
+    }
+
+    fn reasons(bad: &[Option<(BadReason, String)>]) -> Vec<Option<BadReason>> {
+        bad.iter().map(|b| b.as_ref().map(|(r, _)| *r)).collect()
+    }
+
+    /// Before the pre-scan, this aborted the process ("thread has
+    /// overflowed its stack"): arrow-json formats the error for a list where
+    /// an integer belongs by recursing over the whole list.
+    #[test]
+    fn deep_nesting_is_a_bad_record_not_a_crash() {
+        let mut d = decoder(&bids());
+        let depth = 100_000;
+        let nested = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        let objects = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+        let good = bid("7");
+        let payloads: Vec<&[u8]> = vec![
+            good.as_bytes(),
+            nested.as_bytes(),
+            objects.as_bytes(),
+            &nested.as_bytes()[..depth],
+        ];
+        let in_price = bid(&nested);
+        let mut payloads = payloads;
+        payloads.push(in_price.as_bytes());
+        payloads.push(good.as_bytes());
+        let (batch, bad) = d.decode(&payloads);
+        assert_eq!(
+            reasons(&bad),
+            [
+                None,
+                Some(BadReason::TooDeep),
+                Some(BadReason::TooDeep),
+                Some(BadReason::TooDeep),
+                Some(BadReason::TooDeep),
+                None
+            ]
+        );
+        assert_eq!(prices(&batch.expect("two good bids")), [Some(7), Some(7)]);
+    }
+
+    /// The deepest value the limits allow reaches arrow-json's recursive
+    /// error formatting; it is a bad record, and the stack holds.
+    #[test]
+    fn the_deepest_allowed_value_is_decoded_or_bad() {
+        let depth = KafkaSourceConfig::MAX_NESTING_DEPTH;
+        let mut d = JsonArrowDecoder::new(&bids(), 1 << 20, depth);
+        let inner = format!("{}{}", "[".repeat(depth - 1), "]".repeat(depth - 1));
+        let payload = bid(&inner);
+        let (batch, bad) = d.decode(&[payload.as_bytes()]);
+        assert!(batch.is_none());
+        assert_eq!(reasons(&bad), [Some(BadReason::SchemaMismatch)]);
+        let too_deep = bid(&format!("[{inner}]"));
+        let (_, bad) = d.decode(&[too_deep.as_bytes()]);
+        assert_eq!(reasons(&bad), [Some(BadReason::TooDeep)]);
+    }
+
+    #[test]
+    fn lossy_conversions_are_bad_records_and_the_rest_decode() {
+        let mut d = decoder(&bids());
+        let cases = [
+            ("5", None),
+            ("1.5", Some(BadReason::LossyConversion)),
+            ("\"12\"", Some(BadReason::LossyConversion)),
+            ("6.0", None),
+            ("1e999999", Some(BadReason::LossyConversion)),
+            ("-9223372036854775809", Some(BadReason::LossyConversion)),
+            (&"9".repeat(400), Some(BadReason::LossyConversion)),
+            ("\"abc\"", Some(BadReason::SchemaMismatch)),
+            ("{\"x\":1}", Some(BadReason::SchemaMismatch)),
+            ("7e1", None),
+        ];
+        let payloads: Vec<String> = cases.iter().map(|(p, _)| bid(p)).collect();
+        let refs: Vec<&[u8]> = payloads.iter().map(String::as_bytes).collect();
+        let (batch, bad) = d.decode(&refs);
+        let expected: Vec<Option<BadReason>> = cases.iter().map(|(_, r)| *r).collect();
+        assert_eq!(reasons(&bad), expected, "{bad:?}");
+        assert_eq!(
+            prices(&batch.expect("good bids")),
+            [Some(5), Some(6), Some(70)]
+        );
+    }
+
+    #[test]
+    fn coercions_let_arrow_convert() {
+        let format = bids()
+            .coerce(Coercion::FractionToInteger)
+            .coerce(Coercion::StringToNumber);
+        let mut d = decoder(&format);
+        let payloads = [bid("1.5"), bid("\"12\""), bid("1e999999")];
+        let refs: Vec<&[u8]> = payloads.iter().map(String::as_bytes).collect();
+        let (batch, bad) = d.decode(&refs);
+        assert_eq!(
+            reasons(&bad),
+            [None, None, Some(BadReason::LossyConversion)]
+        );
+        assert_eq!(prices(&batch.expect("good bids")), [Some(1), Some(12)]);
+        for c in Coercion::ALL {
+            assert_eq!(Coercion::from_name(c.name()), Some(c));
+        }
+    }
+
+    #[test]
+    fn timestamps_in_an_unknown_format_or_too_precise_are_bad() {
+        let format = JsonArrow::new(Arc::new(Schema::new(vec![Field::new(
+            "ts",
+            DataType::Timestamp(TimeUnit::Microsecond, None),
+            true,
+        )])));
+        let mut d = decoder(&format);
+        let payloads = [
+            r#"{"ts":"2024-01-01T10:00:00.123456Z"}"#,
+            r#"{"ts":"next tuesday"}"#,
+            r#"{"ts":"2024-01-01T10:00:00.1234567Z"}"#,
+            r#"{"ts":1.5}"#,
+            r#"{"ts":1704103200123456}"#,
+        ];
+        let refs: Vec<&[u8]> = payloads.iter().map(|p| p.as_bytes()).collect();
+        let (batch, bad) = d.decode(&refs);
+        assert_eq!(
+            reasons(&bad),
+            [
+                None,
+                Some(BadReason::SchemaMismatch),
+                Some(BadReason::LossyConversion),
+                Some(BadReason::LossyConversion),
+                None
+            ]
+        );
+        assert_eq!(batch.expect("good rows").num_rows(), 2);
+    }
+
+    #[test]
+    fn an_oversized_record_is_bad_and_its_detail_is_short() {
+        let mut d = JsonArrowDecoder::new(&bids(), 1000, 64);
+        let big = bid(&format!("\"{}\"", "x".repeat(2000)));
+        let (_, bad) = d.decode(&[big.as_bytes()]);
+        assert_eq!(reasons(&bad), [Some(BadReason::TooLarge)]);
+        // arrow-json quotes the value in its error; the detail is cut.
+        let mut d = decoder(&bids());
+        let huge = format!("{{\"price\":[\"{}\"]}}", "y".repeat(100_000));
+        let (_, bad) = d.decode(&[huge.as_bytes()]);
+        let (reason, detail) = bad[0].clone().expect("bad");
+        assert_eq!(reason, BadReason::SchemaMismatch);
+        assert!(
+            detail.len() <= BadRecord::MAX_DETAIL + 3,
+            "{}",
+            detail.len()
+        );
+    }
+
+    /// A price literal and what it must decode to: `Some(value)`, or `None`
+    /// for a lossy conversion.
+    fn price_literal() -> impl Strategy<Value = (String, Option<i64>)> {
+        prop_oneof![
+            any::<i64>().prop_map(|v| (v.to_string(), Some(v))),
+            (-1_000_000i64..1_000_000, 1usize..4)
+                .prop_map(|(v, z)| (format!("{v}.{}", "0".repeat(z)), Some(v))),
+            (-1_000_000i64..1_000_000, 1u32..10, 0usize..3)
+                .prop_map(|(v, f, z)| (format!("{v}.{}{f}", "0".repeat(z)), None)),
+            (1i64..1000, 0u32..6).prop_map(|(v, e)| (format!("{v}e{e}"), Some(v * 10i64.pow(e)))),
+            (any::<i64>(), 1i128..1000).prop_map(|(v, d)| {
+                let big = if v < 0 {
+                    i128::from(i64::MIN) - d
+                } else {
+                    i128::from(i64::MAX) + d
+                };
+                (big.to_string(), None)
+            }),
+            any::<i64>().prop_map(|v| (format!("\"{v}\""), None)),
+            (1usize..500).prop_map(|n| ("9".repeat(n + 19), None)),
+            (1u32..1_000_000).prop_map(|e| (
+                format!("1e{e}"),
+                if e < 19 { Some(10i64.pow(e)) } else { None }
+            )),
+        ]
+    }
+
+    /// The proptest's max_record_bytes: above the largest nesting generated.
+    const LIMIT: usize = 1 << 20;
+
+    /// Payloads meant to break a decoder.
+    fn adversarial() -> impl Strategy<Value = Vec<u8>> {
+        // Deep enough to overflow a stack if anything recursed over it:
+        // 100000 levels aborted the process before the pre-scan.
+        let depth = prop_oneof![1usize..200, 200usize..5_000, 5_000usize..100_000];
+        let nesting = (depth, 0u8..4, any::<bool>()).prop_map(|(depth, how, closed)| {
+            let (open, close) = match how {
+                0 => ("[", "]"),
+                1 => (r#"{"a":"#, "}"),
+                2 => (r#"{"price":["#, "]}"),
+                _ => ("[{\"a\":", "}]"),
+            };
+            let mut s = open.repeat(depth);
+            s.push('1');
+            if closed {
+                s.push_str(&close.repeat(depth));
+            }
+            s.into_bytes()
+        });
+        let huge_string = prop_oneof![0usize..20_000, (LIMIT - 200)..(LIMIT + 200)]
+            .prop_map(|n| bid(&format!("\"{}\"", "x".repeat(n))).into_bytes());
+        let huge_number = ("-?[0-9]{1,450}(\\.[0-9]{0,40})?([eE][+-]?[0-9]{1,7})?")
+            .prop_map(|n| bid(&n).into_bytes());
+        let invalid_utf8 = (0usize..200, 0x80u8..=0xff).prop_map(|(at, b)| {
+            let mut s = bid("\"ü€x\"").into_bytes();
+            let at = at % s.len();
+            s[at] = b;
+            s
+        });
+        let mutated = (prop::collection::vec((0usize..200, any::<u8>()), 1..4)).prop_map(|edits| {
+            let mut s = bid("42").into_bytes();
+            for (at, b) in edits {
+                let at = at % s.len();
+                s[at] = b;
+            }
+            s
+        });
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..300),
+            nesting,
+            huge_string,
+            huge_number,
+            invalid_utf8,
+            mutated,
+        ]
+    }
+
+    proptest! {
+        /// Whatever the bytes, the decoder returns: each payload is decoded
+        /// or bad, alone as in a batch, and good bids around bad payloads
+        /// decode.
+        #[test]
+        fn no_payload_crashes_the_decoder(payloads in prop::collection::vec(adversarial(), 1..4)) {
+            let mut d = JsonArrowDecoder::new(&bids(), LIMIT, 64);
+            let good = bid("42");
+            let mut all: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+            all.push(good.as_bytes());
+            let (batch, bad) = d.decode(&all);
+            prop_assert_eq!(bad.len(), all.len());
+            prop_assert!(bad[all.len() - 1].is_none(), "{:?}", bad);
+            let good_rows = bad.iter().filter(|b| b.is_none()).count();
+            prop_assert_eq!(batch.map_or(0, |b| b.num_rows()), good_rows);
+            for (payload, verdict) in all.iter().zip(&bad) {
+                let (one, alone) = d.decode(&[payload]);
+                prop_assert_eq!(one.is_some(), alone[0].is_none());
+                prop_assert_eq!(alone[0].as_ref().map(|b| b.0), verdict.as_ref().map(|b| b.0));
+                if payload.len() > LIMIT {
+                    prop_assert_eq!(verdict.as_ref().map(|b| b.0), Some(BadReason::TooLarge));
+                }
+            }
+        }
+
+        /// A price is decoded to exactly its value, or the record is bad
+        /// with reason lossy_conversion.
+        #[test]
+        fn prices_decode_exactly_or_are_lossy((literal, expected) in price_literal()) {
+            let mut d = decoder(&bids());
+            let payload = bid(&literal);
+            let (batch, bad) = d.decode(&[payload.as_bytes()]);
+            match expected {
+                Some(v) => {
+                    prop_assert!(bad[0].is_none(), "{literal}: {:?}", bad[0]);
+                    prop_assert_eq!(prices(&batch.expect("decoded")), [Some(v)]);
+                }
+                None => prop_assert_eq!(
+                    bad[0].as_ref().map(|b| b.0),
+                    Some(BadReason::LossyConversion),
+                    "{}", literal
+                ),
+            }
         }
     }
 }

@@ -51,11 +51,22 @@ pub(crate) struct BadRecord {
 }
 
 impl BadRecord {
+    /// The longest detail kept, in bytes: a decoder's error can quote the
+    /// whole value (arrow-json does), and the detail goes into logs, errors
+    /// and a dead letter's header.
+    pub(crate) const MAX_DETAIL: usize = 1024;
+
     pub(crate) fn new(reason: BadReason, detail: impl Into<String>) -> Self {
-        BadRecord {
-            reason,
-            detail: detail.into(),
+        let mut detail = detail.into();
+        if detail.len() > Self::MAX_DETAIL {
+            let mut cut = Self::MAX_DETAIL;
+            while !detail.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            detail.truncate(cut);
+            detail.push_str("...");
         }
+        BadRecord { reason, detail }
     }
 }
 

@@ -7,6 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
+use tinyflow_api::{StreamError, StreamResult};
+
+use crate::bad_record::{BadReason, BadRecord};
+use crate::scan::{Limits, check_structure};
 
 /// Where a partition without checkpointed position starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,12 +48,14 @@ pub enum BadRecordPolicy {
     },
 }
 
-type DecodeFn<V> = Arc<dyn Fn(&[u8]) -> Result<V, String> + Send + Sync>;
+type DecodeFn<V> = Arc<dyn Fn(&[u8], &Limits) -> Result<V, BadRecord> + Send + Sync>;
 
-/// How record values are decoded.
+/// How record values are decoded. Whatever the format, a value larger than
+/// [`KafkaSourceConfig::max_record_bytes`] is a bad record (`too_large`).
 pub struct Format<V> {
     pub(crate) name: &'static str,
-    pub(crate) decode: DecodeFn<V>,
+    decode: DecodeFn<V>,
+    limits: Limits,
 }
 
 impl<V> Clone for Format<V> {
@@ -57,7 +63,35 @@ impl<V> Clone for Format<V> {
         Format {
             name: self.name,
             decode: Arc::clone(&self.decode),
+            limits: self.limits,
         }
+    }
+}
+
+impl<V> Format<V> {
+    fn new(
+        name: &'static str,
+        decode: impl Fn(&[u8], &Limits) -> Result<V, BadRecord> + Send + Sync + 'static,
+    ) -> Self {
+        Format {
+            name,
+            decode: Arc::new(decode),
+            limits: KafkaSourceConfig::DEFAULT_LIMITS,
+        }
+    }
+
+    /// This format with the limits of `config`.
+    pub(crate) fn with_limits(&self, config: &KafkaSourceConfig) -> Self {
+        Format {
+            limits: config.limits(),
+            ..self.clone()
+        }
+    }
+
+    /// Decodes one value, or says why it is bad.
+    pub(crate) fn decode(&self, value: &[u8]) -> Result<V, BadRecord> {
+        self.limits.check_size(value)?;
+        (self.decode)(value, &self.limits)
     }
 }
 
@@ -70,35 +104,41 @@ impl<V> fmt::Debug for Format<V> {
 impl Format<Vec<u8>> {
     /// The value's bytes as they are.
     pub fn bytes() -> Self {
-        Format {
-            name: "bytes",
-            decode: Arc::new(|b| Ok(b.to_vec())),
-        }
+        Format::new("bytes", |b, _| Ok(b.to_vec()))
     }
 }
 
 impl Format<String> {
     /// The value as UTF-8 text.
     pub fn utf8() -> Self {
-        Format {
-            name: "utf8",
-            decode: Arc::new(|b| {
-                String::from_utf8(b.to_vec()).map_err(|e| format!("not UTF-8: {e}"))
-            }),
-        }
+        Format::new("utf8", |b, _| {
+            String::from_utf8(b.to_vec())
+                .map_err(|e| BadRecord::new(BadReason::Undecodable, format!("not UTF-8: {e}")))
+        })
     }
 }
 
 impl<V: DeserializeOwned + 'static> Format<V> {
-    /// The value as JSON, into `V`.
+    /// The value as JSON, into `V`. A value nested deeper than
+    /// [`KafkaSourceConfig::max_nesting_depth`] is bad (`too_deep`; serde_json
+    /// refuses more than 128 levels whatever the limit); so is one that is
+    /// not JSON (`invalid_json`) or does not fit `V` (`schema_mismatch`:
+    /// serde converts no number lossily, `1.5` into an integer is an error).
     pub fn json() -> Self {
         let _ = PhantomData::<V>;
-        Format {
-            name: "json",
-            decode: Arc::new(|b| {
-                serde_json::from_slice(b).map_err(|e| format!("invalid JSON: {e}"))
-            }),
-        }
+        Format::new("json", |b, limits| {
+            check_structure(b, limits)?;
+            serde_json::from_slice(b).map_err(|e| {
+                let reason = match e.classify() {
+                    serde_json::error::Category::Data => BadReason::SchemaMismatch,
+                    _ if e.to_string().starts_with("recursion limit exceeded") => {
+                        BadReason::TooDeep
+                    }
+                    _ => BadReason::InvalidJson,
+                };
+                BadRecord::new(reason, e.to_string())
+            })
+        })
     }
 }
 
@@ -242,6 +282,14 @@ pub struct KafkaSourceConfig {
     /// strategy decides) instead of stalling silently (default 10 min;
     /// `None`: never).
     pub stall_fail: Option<Duration>,
+    /// A record value larger than this is bad (`too_large`), whatever the
+    /// format: default [`KafkaSourceConfig::DEFAULT_MAX_RECORD_BYTES`].
+    pub max_record_bytes: usize,
+    /// A JSON value nested deeper than this (arrays and objects; `{"a":1}`
+    /// is 1 deep) is bad (`too_deep`): default
+    /// [`KafkaSourceConfig::DEFAULT_MAX_NESTING_DEPTH`], at most
+    /// [`KafkaSourceConfig::MAX_NESTING_DEPTH`].
+    pub max_nesting_depth: usize,
 }
 
 impl KafkaSourceConfig {
@@ -266,7 +314,57 @@ impl KafkaSourceConfig {
             partition_discovery: Some(Duration::from_secs(30)),
             stall_warn: Duration::from_secs(60),
             stall_fail: Some(Duration::from_secs(600)),
+            max_record_bytes: Self::DEFAULT_MAX_RECORD_BYTES,
+            max_nesting_depth: Self::DEFAULT_MAX_NESTING_DEPTH,
         }
+    }
+
+    /// 8 MiB: eight times the largest record a Kafka broker accepts by
+    /// default (`message.max.bytes`, about 1 MiB), so no record of a topic
+    /// with default settings is refused, while one record's decoding stays
+    /// bounded where a topic allows more.
+    pub const DEFAULT_MAX_RECORD_BYTES: usize = 8 << 20;
+
+    /// 64: event JSON is rarely more than a few levels deep (Nexmark's is
+    /// 1), and half of serde_json's own limit (128).
+    pub const DEFAULT_MAX_NESTING_DEPTH: usize = 64;
+
+    /// The largest `max_nesting_depth` allowed: arrow-json formats an error
+    /// by recursing over the value, and 1024 levels of that fit easily in a
+    /// thread's stack (100000 overflowed it and aborted the process).
+    pub const MAX_NESTING_DEPTH: usize = 1024;
+
+    const DEFAULT_LIMITS: Limits = Limits {
+        max_bytes: Self::DEFAULT_MAX_RECORD_BYTES,
+        max_depth: Self::DEFAULT_MAX_NESTING_DEPTH,
+    };
+
+    pub(crate) fn limits(&self) -> Limits {
+        Limits {
+            max_bytes: self.max_record_bytes,
+            max_depth: self.max_nesting_depth,
+        }
+    }
+
+    /// Checks `max_record_bytes` and `max_nesting_depth`.
+    pub fn validate_limits(&self) -> StreamResult<()> {
+        if self.max_record_bytes == 0 {
+            return Err(StreamError::Config {
+                key: "source.max_record_bytes",
+                message: "expected at least 1".to_owned(),
+            });
+        }
+        if !(1..=Self::MAX_NESTING_DEPTH).contains(&self.max_nesting_depth) {
+            return Err(StreamError::Config {
+                key: "source.max_nesting_depth",
+                message: format!(
+                    "{}: expected 1 to {}",
+                    self.max_nesting_depth,
+                    Self::MAX_NESTING_DEPTH
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -320,6 +418,8 @@ impl fmt::Debug for KafkaSourceConfig {
             .field("partition_discovery", &self.partition_discovery)
             .field("stall_warn", &self.stall_warn)
             .field("stall_fail", &self.stall_fail)
+            .field("max_record_bytes", &self.max_record_bytes)
+            .field("max_nesting_depth", &self.max_nesting_depth)
             .finish()
     }
 }
@@ -347,14 +447,84 @@ mod tests {
 
     #[test]
     fn formats_decode_or_say_why_not() {
-        assert_eq!((Format::bytes().decode)(b"\xff").unwrap(), vec![0xff]);
-        assert!(
-            (Format::utf8().decode)(b"\xff")
-                .unwrap_err()
-                .contains("not UTF-8")
-        );
+        assert_eq!(Format::bytes().decode(b"\xff").unwrap(), vec![0xff]);
+        let bad = Format::utf8().decode(b"\xff").unwrap_err();
+        assert_eq!(bad.reason, BadReason::Undecodable);
+        assert!(bad.detail.contains("not UTF-8"), "{bad}");
         let json = Format::<BTreeMap<String, u32>>::json();
-        assert_eq!((json.decode)(br#"{"a":1}"#).unwrap()["a"], 1);
-        assert!((json.decode)(b"{").unwrap_err().contains("invalid JSON"));
+        assert_eq!(json.decode(br#"{"a":1}"#).unwrap()["a"], 1);
+        assert_eq!(
+            json.decode(b"{").unwrap_err().reason,
+            BadReason::InvalidJson
+        );
+        assert_eq!(
+            json.decode(br#"{"a":1.5}"#).unwrap_err().reason,
+            BadReason::SchemaMismatch
+        );
+        assert_eq!(
+            json.decode(br#"{"a":"12"}"#).unwrap_err().reason,
+            BadReason::SchemaMismatch
+        );
+    }
+
+    #[test]
+    fn json_values_past_the_limits_are_bad_not_a_crash() {
+        let mut config = KafkaSourceConfig::new("b:9092", &["t"], "g");
+        config.max_record_bytes = 100;
+        config.max_nesting_depth = 4;
+        let json = Format::<serde_json::Value>::json().with_limits(&config);
+        let deep = |d: usize| format!("{}{}", "[".repeat(d), "]".repeat(d));
+        assert!(json.decode(deep(4).as_bytes()).is_ok());
+        assert_eq!(
+            json.decode(deep(5).as_bytes()).unwrap_err().reason,
+            BadReason::TooDeep
+        );
+        assert_eq!(
+            json.decode(&[b' '; 101]).unwrap_err().reason,
+            BadReason::TooLarge
+        );
+        assert_eq!(
+            Format::bytes()
+                .with_limits(&config)
+                .decode(&[0; 101])
+                .unwrap_err()
+                .reason,
+            BadReason::TooLarge
+        );
+        // 100000 levels, with the default limits and with the largest
+        // allowed: bad, and the process lives.
+        for depth in [
+            KafkaSourceConfig::DEFAULT_MAX_NESTING_DEPTH,
+            KafkaSourceConfig::MAX_NESTING_DEPTH,
+        ] {
+            config.max_record_bytes = KafkaSourceConfig::DEFAULT_MAX_RECORD_BYTES;
+            config.max_nesting_depth = depth;
+            let json = Format::<serde_json::Value>::json().with_limits(&config);
+            let bad = json.decode(deep(100_000).as_bytes()).unwrap_err();
+            assert_eq!(bad.reason, BadReason::TooDeep, "{bad}");
+        }
+    }
+
+    #[test]
+    fn limits_are_validated() {
+        let mut config = KafkaSourceConfig::new("b:9092", &["t"], "g");
+        assert!(config.validate_limits().is_ok());
+        config.max_nesting_depth = KafkaSourceConfig::MAX_NESTING_DEPTH + 1;
+        assert!(matches!(
+            config.validate_limits(),
+            Err(StreamError::Config {
+                key: "source.max_nesting_depth",
+                ..
+            })
+        ));
+        config.max_nesting_depth = 1;
+        config.max_record_bytes = 0;
+        assert!(matches!(
+            config.validate_limits(),
+            Err(StreamError::Config {
+                key: "source.max_record_bytes",
+                ..
+            })
+        ));
     }
 }

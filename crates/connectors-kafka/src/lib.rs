@@ -28,12 +28,13 @@ mod config;
 mod dead_letter;
 #[cfg(feature = "embedded")]
 mod embedded;
+mod scan;
 mod source;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 #[cfg(feature = "arrow")]
-pub use arrow::{JsonArrow, KafkaArrowSource, METADATA_COLUMNS};
+pub use arrow::{Coercion, JsonArrow, JsonArrowDecoder, KafkaArrowSource, METADATA_COLUMNS};
 pub use bad_record::BadReason;
 pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,

@@ -16,7 +16,7 @@ use tinyflow_api::{
 };
 use tokio::time::Instant;
 
-use crate::bad_record::{BadReason, BadRecord, BadRecords};
+use crate::bad_record::{BadRecord, BadRecords};
 use crate::config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
     TimeFrom, is_secret,
@@ -407,7 +407,7 @@ impl<V: tinyflow_api::Data> SourceFactory<KafkaRecord<V>> for KafkaSource<V> {
         restored: &[Vec<u8>],
     ) -> StreamResult<Box<dyn Source<KafkaRecord<V>>>> {
         let decoder = RecordDecoder {
-            format: self.format.clone(),
+            format: self.format.with_limits(&self.config),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
         };
         open(
@@ -460,7 +460,7 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
         outcomes: &mut Vec<Outcome>,
     ) {
         for Polled { topic, msg } in polled {
-            match (self.format.decode)(msg.payload().unwrap_or_default()) {
+            match self.format.decode(msg.payload().unwrap_or_default()) {
                 Ok(value) => {
                     let time = match &self.from {
                         None => None,
@@ -487,7 +487,7 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
                     });
                     outcomes.push(Ok(time));
                 }
-                Err(detail) => outcomes.push(Err(BadRecord::new(BadReason::Undecodable, detail))),
+                Err(bad) => outcomes.push(Err(bad)),
             }
         }
     }
@@ -1556,7 +1556,7 @@ mod tests {
             (("t".to_owned(), 0), (20, 20)),
             (("t".to_owned(), 1), (5, 9)),
         ]);
-        let mut at = |secs: u64| start + Duration::from_secs(secs);
+        let at = |secs: u64| start + Duration::from_secs(secs);
         for s in 1..=4 {
             let now = at(s);
             progress.called(now);
