@@ -11,8 +11,8 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use rdkafka::message::Message;
 use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamResult};
 
-use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
 use crate::bad_record::{BadReason, BadRecord};
+use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
 use crate::source::{Decode, Outcome, Polled, open};
 
 /// The columns [`JsonArrow::with_metadata_columns`] appends.
@@ -337,7 +337,9 @@ impl Decode for ArrowDecoder {
                     Ok(0) => {
                         let bad = BadRecord::new(
                             BadReason::SchemaMismatch,
-                            format!("the batch does not decode, though each record alone does: {e}"),
+                            format!(
+                                "the batch does not decode, though each record alone does: {e}"
+                            ),
                         );
                         self.bad.iter_mut().for_each(|b| *b = Some(bad.clone()));
                         break None;
