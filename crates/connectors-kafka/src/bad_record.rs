@@ -241,6 +241,17 @@ impl BadRecords {
         }
     }
 
+    /// Whether the source may read on: not while a restored dead-letter
+    /// policy reads its topic back (waits a little for it, so the caller
+    /// returns an empty batch and serves its control messages). Cancel
+    /// safe.
+    pub(crate) async fn ready(&mut self) -> StreamResult<bool> {
+        match &mut self.dead_letter {
+            Some(dl) => dl.ready(&self.name).await,
+            None => Ok(true),
+        }
+    }
+
     /// The dead-letter state of a checkpoint at `positions`; call after
     /// [`BadRecords::flush`].
     pub(crate) fn checkpoint_state(

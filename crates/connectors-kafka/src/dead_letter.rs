@@ -12,11 +12,14 @@
 //! dead letters: the restart reads those bad records again. So the
 //! checkpoint state holds, per dead-letter partition, a floor below which
 //! no dead letter matters to a restore of it (`DeadLetterState`); a
-//! restored subtask reads the topic (`read_committed`) from the lowest
-//! floor of all old subtasks up to the end offsets seen at start, before
-//! its first dead letter, collects the origins (`tinyflow.source.*`
-//! headers) found there, and sends no bad record whose origin is among
-//! them.
+//! restored subtask reads the topic (`read_committed`, on a thread of its
+//! own, before the source reads) from the lowest floor of all old subtasks
+//! up to the end offsets seen at start, collects the origins
+//! (`tinyflow.source.*` headers, same `tinyflow.group`) found there, and
+//! sends no bad record whose origin is among them. Without such a
+//! checkpoint (a restart before the first one completed), the floor is
+//! where the topic ended at the job's first start, kept as the committed
+//! offsets of a consumer group of its own.
 //!
 //! A dead letter larger than the topic's `max.message.bytes` (or the
 //! producer's `message.max.bytes`) is sent with its value truncated to fit
@@ -24,7 +27,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
@@ -118,11 +121,105 @@ struct Restored {
     /// Where to start reading, per dead-letter partition: the lowest floor
     /// of the restored states.
     floors: BTreeMap<i32, i64>,
-    /// Whether the topic was read (before the first dead letter).
-    scanned: bool,
+    /// The reading of the topic, while it goes on.
+    reading: Option<ReadBack>,
     /// Origins of dead letters in the topic that this subtask may read
-    /// again and must not send twice.
+    /// again and must not send twice; complete once `reading` is `None`.
     present: BTreeSet<Origin>,
+}
+
+/// The topic read back on a thread of its own, from the subtask's start: it
+/// may have to wait for transactions that other subtasks of the job opened
+/// meanwhile to commit at their next checkpoint, which must not wait for
+/// it in turn (a blocked runtime worker could be the one they need).
+struct ReadBack {
+    result: std::sync::mpsc::Receiver<StreamResult<BTreeSet<Origin>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ReadBack {
+    fn start(
+        reader: ClientConfig,
+        topic: String,
+        group: String,
+        floors: Offsets,
+        ends: Offsets,
+        name: String,
+    ) -> StreamResult<Self> {
+        let (tx, result) = std::sync::mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let subtask = name.clone();
+        let thread = std::thread::Builder::new()
+            .name("dead-letter-read-back".into())
+            .spawn(move || {
+                let _ = tx.send(read_back(
+                    &reader, &topic, &group, &floors, &ends, &subtask, &stopped,
+                ));
+            })
+            .map_err(|e| {
+                external(
+                    &name,
+                    "starting to read the dead-letter topic back",
+                    e,
+                    true,
+                )
+            })?;
+        Ok(ReadBack {
+            result,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The origins found, once the reading is over; `None` while it goes
+    /// on.
+    fn poll(&mut self, name: &str) -> Option<StreamResult<BTreeSet<Origin>>> {
+        use std::sync::mpsc::TryRecvError;
+        let out = match self.result.try_recv() {
+            Ok(r) => r,
+            Err(TryRecvError::Empty) => return None,
+            Err(TryRecvError::Disconnected) => Err(external(
+                name,
+                "reading the dead-letter topic back",
+                "the reading thread ended without a result",
+                true,
+            )),
+        };
+        self.join();
+        Some(out)
+    }
+
+    /// Waits for the result on this thread.
+    fn wait(&mut self, name: &str) -> StreamResult<BTreeSet<Origin>> {
+        let out = self.result.recv().unwrap_or_else(|_| {
+            Err(external(
+                name,
+                "reading the dead-letter topic back",
+                "the reading thread ended without a result",
+                true,
+            ))
+        });
+        self.join();
+        out
+    }
+
+    fn join(&mut self) {
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::warn!("the thread reading the dead-letter topic back panicked");
+        }
+    }
+}
+
+impl Drop for ReadBack {
+    /// Stops the reading (it checks every 100 ms) and joins it.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.join();
+    }
 }
 
 /// Sends bad records to a topic, in transactions; see the module docs and
@@ -142,8 +239,6 @@ pub(crate) struct DeadLetter {
     /// every later dead letter of this subtask lands at or after them.
     ends: BTreeMap<i32, i64>,
     restored: Option<Restored>,
-    /// Settings of the consumer that reads the topic on restore.
-    reader: ClientConfig,
 }
 
 impl DeadLetter {
@@ -248,6 +343,22 @@ impl DeadLetter {
             ("enable.partition.eof", "false"),
         ]);
         reader.set("isolation.level", "read_committed");
+        let restored = floors
+            .map(|floors| -> StreamResult<Restored> {
+                Ok(Restored {
+                    reading: Some(ReadBack::start(
+                        reader,
+                        topic.to_owned(),
+                        config.group_id.clone(),
+                        floors.clone(),
+                        ends.clone(),
+                        name.to_owned(),
+                    )?),
+                    floors,
+                    present: BTreeSet::new(),
+                })
+            })
+            .transpose()?;
         Ok(DeadLetter {
             group: config.group_id.clone(),
             topic: topic.to_owned(),
@@ -256,12 +367,7 @@ impl DeadLetter {
             sent: 0,
             max_bytes,
             ends,
-            restored: floors.map(|floors| Restored {
-                floors,
-                scanned: false,
-                present: BTreeSet::new(),
-            }),
-            reader,
+            restored,
         })
     }
 
@@ -274,19 +380,12 @@ impl DeadLetter {
         reason: &str,
         name: &str,
     ) -> StreamResult<bool> {
-        if let Some(floors) = self
-            .restored
-            .as_ref()
-            .filter(|r| !r.scanned)
-            .map(|r| r.floors.clone())
-        {
-            let present = self.read_back(&floors, name)?;
-            if let Some(restored) = &mut self.restored {
-                restored.present = present;
-                restored.scanned = true;
-            }
-        }
         if let Some(restored) = &mut self.restored {
+            // The source waits for the reading before it reads (`ready`);
+            // this is for a caller that did not.
+            if let Some(mut reading) = restored.reading.take() {
+                restored.present = reading.wait(name)?;
+            }
             let origin = (msg.topic().to_owned(), msg.partition(), msg.offset());
             if restored.present.remove(&origin) {
                 return Ok(false);
@@ -414,7 +513,8 @@ impl DeadLetter {
     pub(crate) fn state(&mut self, positions: &BTreeMap<Partition, i64>) -> DeadLetterState {
         let floors = match &mut self.restored {
             Some(restored) => {
-                if restored.scanned {
+                let scanned = restored.reading.is_none();
+                if scanned {
                     // Dead letters of bad records this subtask has read past,
                     // or does not own, are no concern of its checkpoints.
                     let at: BTreeMap<(&str, i32), i64> = positions
@@ -425,7 +525,7 @@ impl DeadLetter {
                         .present
                         .retain(|(t, p, o)| at.get(&(t.as_str(), *p)).is_some_and(|pos| o >= pos));
                 }
-                if restored.scanned && restored.present.is_empty() {
+                if scanned && restored.present.is_empty() {
                     self.restored = None;
                     &self.ends
                 } else {
@@ -440,88 +540,118 @@ impl DeadLetter {
         }
     }
 
-    /// Reads the topic (`read_committed`) from `floors` up to the end
-    /// offsets seen at start: the origins of the dead letters there.
-    fn read_back(&self, floors: &BTreeMap<i32, i64>, name: &str) -> StreamResult<BTreeSet<Origin>> {
-        let mut remaining: BTreeMap<i32, i64> = self
-            .ends
-            .iter()
-            .filter(|(p, end)| floors.get(p).is_none_or(|f| f < end))
-            .map(|(p, end)| (*p, *end))
-            .collect();
-        let mut present = BTreeSet::new();
-        if remaining.is_empty() {
-            return Ok(present);
-        }
-        let what = || {
-            format!(
-                "reading dead-letter topic {:?} back after a restore",
-                self.topic
-            )
+    /// Whether the source may read: not while the topic is being read
+    /// back after a restore. Waits a little for it. Cancel safe.
+    pub(crate) async fn ready(&mut self, name: &str) -> StreamResult<bool> {
+        let Some(restored) = &mut self.restored else {
+            return Ok(true);
         };
-        let consumer: BaseConsumer = self
-            .reader
-            .create()
-            .map_err(|e| external(name, what(), e, false))?;
-        let mut tpl = TopicPartitionList::new();
-        for p in remaining.keys() {
-            let from = floors.get(p).copied().unwrap_or(0);
-            tpl.add_partition_offset(&self.topic, *p, Offset::Offset(from))
-                .map_err(|e| external(name, what(), e, false))?;
-        }
-        consumer
-            .assign(&tpl)
-            .map_err(|e| external(name, what(), e, true))?;
-        let started = std::time::Instant::now();
-        let mut read = 0u64;
-        while !remaining.is_empty() {
-            match consumer.poll(Duration::from_millis(100)) {
-                Some(Ok(m)) => {
-                    read += 1;
-                    if let Some(origin) = origin_of(&m, &self.group) {
-                        present.insert(origin);
-                    }
-                    if remaining
-                        .get(&m.partition())
-                        .is_some_and(|end| m.offset() + 1 >= *end)
-                    {
-                        remaining.remove(&m.partition());
-                    }
-                }
-                Some(Err(e)) => {
-                    tracing::debug!(source = %name, error = %e, "reading the dead-letter topic back");
-                }
-                None => {
-                    // Transaction markers and aborted records move the
-                    // position without a message.
-                    let at = consumer
-                        .position()
-                        .map_err(|e| external(name, what(), e, true))?;
-                    for e in at.elements_for_topic(&self.topic) {
-                        if let Offset::Offset(o) = e.offset()
-                            && remaining.get(&e.partition()).is_some_and(|end| o >= *end)
-                        {
-                            remaining.remove(&e.partition());
-                        }
-                    }
-                }
+        let Some(reading) = &mut restored.reading else {
+            return Ok(true);
+        };
+        match reading.poll(name) {
+            Some(present) => {
+                restored.present = present?;
+                restored.reading = None;
+                Ok(true)
             }
-            if !remaining.is_empty() && started.elapsed() > SCAN_TIMEOUT {
-                return Err(external(
-                    name,
-                    what(),
-                    format!(
-                        "not at the end offsets {remaining:?} after {} s (a transaction left open?)",
-                        SCAN_TIMEOUT.as_secs()
-                    ),
-                    true,
-                ));
+            None => {
+                tokio::time::sleep(READ_BACK_POLL).await;
+                Ok(false)
             }
         }
-        tracing::info!(source = %name, dead_letter = %self.topic, read, already_there = present.len(), "read the dead-letter topic back after a restore: bad records found there are not sent again");
-        drop(DropAside::new(consumer));
-        Ok(present)
     }
+}
+
+/// How often a source waiting for the read-back looks again.
+const READ_BACK_POLL: Duration = Duration::from_millis(10);
+
+/// Reads `topic` (`read_committed`) from `floors` up to `ends`: the
+/// origins of the dead letters `group` wrote there. Gives up when `stop`
+/// is set.
+fn read_back(
+    reader: &ClientConfig,
+    topic: &str,
+    group: &str,
+    floors: &Offsets,
+    ends: &Offsets,
+    name: &str,
+    stop: &AtomicBool,
+) -> StreamResult<BTreeSet<Origin>> {
+    let mut remaining: Offsets = ends
+        .iter()
+        .filter(|(p, end)| floors.get(p).is_none_or(|f| f < end))
+        .map(|(p, end)| (*p, *end))
+        .collect();
+    let mut present = BTreeSet::new();
+    if remaining.is_empty() {
+        return Ok(present);
+    }
+    let what = || format!("reading dead-letter topic {topic:?} back after a restore");
+    let consumer: BaseConsumer = reader
+        .create()
+        .map_err(|e| external(name, what(), e, false))?;
+    let consumer = DropAside::new(consumer);
+    let mut tpl = TopicPartitionList::new();
+    for p in remaining.keys() {
+        let from = floors.get(p).copied().unwrap_or(0);
+        tpl.add_partition_offset(topic, *p, Offset::Offset(from))
+            .map_err(|e| external(name, what(), e, false))?;
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(|e| external(name, what(), e, true))?;
+    let started = std::time::Instant::now();
+    let mut read = 0u64;
+    while !remaining.is_empty() {
+        if stop.load(Ordering::SeqCst) {
+            return Err(external(name, what(), "stopped", true));
+        }
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => {
+                read += 1;
+                if let Some(origin) = origin_of(&m, group) {
+                    present.insert(origin);
+                }
+                if remaining
+                    .get(&m.partition())
+                    .is_some_and(|end| m.offset() + 1 >= *end)
+                {
+                    remaining.remove(&m.partition());
+                }
+            }
+            Some(Err(e)) => {
+                tracing::debug!(source = %name, error = %e, "reading the dead-letter topic back");
+            }
+            None => {
+                // Transaction markers and aborted records move the
+                // position without a message.
+                let at = consumer
+                    .position()
+                    .map_err(|e| external(name, what(), e, true))?;
+                for e in at.elements_for_topic(topic) {
+                    if let Offset::Offset(o) = e.offset()
+                        && remaining.get(&e.partition()).is_some_and(|end| o >= *end)
+                    {
+                        remaining.remove(&e.partition());
+                    }
+                }
+            }
+        }
+        if !remaining.is_empty() && started.elapsed() > SCAN_TIMEOUT {
+            return Err(external(
+                name,
+                what(),
+                format!(
+                    "not at the end offsets {remaining:?} after {} s (a transaction left open?)",
+                    SCAN_TIMEOUT.as_secs()
+                ),
+                true,
+            ));
+        }
+    }
+    tracing::info!(source = %name, dead_letter = %topic, read, already_there = present.len(), secs = started.elapsed().as_secs_f64(), "read the dead-letter topic back after a restore: bad records found there are not sent again");
+    Ok(present)
 }
 
 /// A transactional producer to `topic` with `id`.

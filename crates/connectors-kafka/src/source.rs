@@ -683,6 +683,10 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             self.bad.flush()?;
             return Ok(None);
         }
+        // After a restore, the dead-letter topic is read back first.
+        if !self.bad.ready().await? {
+            return Ok(Some(Vec::new()));
+        }
         let mut polled = Vec::with_capacity(self.batch_size.min(4096));
         let polled_at = Instant::now();
         while polled.len() < self.batch_size {
