@@ -31,12 +31,12 @@ use tinyflow_tests::broker::OwnBroker;
 use tokio::time::Instant;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Rec {
-    id: u64,
+pub(crate) struct Rec {
+    pub(crate) id: u64,
 }
 
 /// A topic name no earlier run used.
-fn fresh_topic(name: &str) -> String {
+pub(crate) fn fresh_topic(name: &str) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -63,14 +63,14 @@ async fn topic_with_ids(name: &str, partitions: i32, n: u64) -> String {
     topic
 }
 
-fn source_config(topic: &str, group: &str) -> KafkaSourceConfig {
+pub(crate) fn source_config(topic: &str, group: &str) -> KafkaSourceConfig {
     let mut c = KafkaSourceConfig::new(bootstrap(), &[topic], group);
     c.bounded = true;
     c.batch_size = 50;
     c
 }
 
-fn runtime_config(restart: RestartStrategy) -> RuntimeConfig {
+pub(crate) fn runtime_config(restart: RestartStrategy) -> RuntimeConfig {
     RuntimeConfig {
         checkpoint: CheckpointConfig {
             interval: Some(Duration::from_millis(50)),
@@ -123,7 +123,7 @@ async fn run_ids(
     Ok(report.attempts)
 }
 
-fn sorted(mut v: Vec<u64>) -> Vec<u64> {
+pub(crate) fn sorted(mut v: Vec<u64>) -> Vec<u64> {
     v.sort_unstable();
     v
 }

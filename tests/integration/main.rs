@@ -15,6 +15,9 @@
 //!   with failures, read back by pyiceberg, on sqlite and on PostgreSQL.
 //! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
 //!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
+//! - `kafka_dead_letter`: the dead-letter topic exactly once across crashes and restarts
+//!   (by hand, with a rescale, and through the runtime with injected failures), and bad
+//!   records too large for it sent truncated.
 //! - `runtime_exactly_once`: jobs through the runtime with failures injected at generated
 //!   points; committed output equals the expected output; keyed state across restore and
 //!   rescale.
@@ -35,6 +38,7 @@ mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_sink;
+mod kafka_dead_letter;
 mod kafka_source;
 mod kafka_source_topics;
 mod runtime_driver_thread;

@@ -147,6 +147,7 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
         restart: RestartSection::default(),
         metrics: MetricsSection {
             address: args.metrics.map(|a| a.to_string()),
+            linger: None,
         },
     }
 }

@@ -298,6 +298,10 @@ pub struct MetricsSection {
     /// Serves Prometheus metrics at `http://<address>/metrics`, e.g.
     /// `127.0.0.1:9898` (default: no endpoint).
     pub address: Option<String>,
+    /// How long `tinyflow run` keeps serving `/metrics` after the job ended
+    /// by itself (a bounded job), so a scraper sees the final values
+    /// (default `0s`). Needs `address`.
+    pub linger: Option<String>,
 }
 
 impl JobFile {

@@ -18,7 +18,7 @@ pub use jobfile::{
     FieldSection, JobFile, JobSection, MetricsSection, PartitionSection, RestartSection,
     SinkSection, SourceSection, TransformSection,
 };
-pub use plan::{JobPlan, absolute_path, install_metrics, metric_sum};
+pub use plan::{JobPlan, absolute_path, counters_line, install_metrics, metric_sum};
 pub use transform::Transforms;
 
 /// What is wrong with a job file: the key and what was expected there.

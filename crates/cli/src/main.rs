@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tinyflow_cli::{JobFile, install_metrics};
+use tinyflow_cli::{JobFile, counters_line, install_metrics};
 use tinyflow_runtime::StopHandle;
 
 #[derive(Debug, Parser)]
@@ -95,17 +95,18 @@ fn main() -> ExitCode {
             Command::Run { job } => {
                 init_tracing("info");
                 let plan = JobFile::load(&job).and_then(|f| f.plan())?;
-                install_metrics(plan.metrics_address)?;
+                let metrics = install_metrics(plan.metrics_address)?;
+                let (address, linger) = (plan.metrics_address, plan.metrics_linger);
                 let stop = StopHandle::new();
                 let run = plan.run_until_stopped(stop.clone());
                 tokio::pin!(run);
-                let report = tokio::select! {
-                    r = &mut run => r?,
+                let ended = tokio::select! {
+                    r = &mut run => r,
                     () = shutdown_signal() => {
                         tracing::info!("stopping on a signal: taking a final checkpoint and committing it (a second signal stops at once)");
                         stop.stop();
                         tokio::select! {
-                            r = &mut run => r?,
+                            r = &mut run => r,
                             () = shutdown_signal() => {
                                 tracing::warn!("stopping at once on a second signal; the next run goes on from the last completed checkpoint");
                                 return Ok(());
@@ -113,6 +114,20 @@ fn main() -> ExitCode {
                         }
                     }
                 };
+                // A bounded job ends before a scraper's next visit: the
+                // counters go to the log, and the endpoint can stay up.
+                tracing::info!(counters = %counters_line(&metrics.render()), "final counters of this run");
+                if let Some(address) = address
+                    && !linger.is_zero()
+                    && !stop.is_requested()
+                {
+                    tracing::info!(%address, secs = linger.as_secs_f64(), "serving the final metrics at /metrics a while longer (metrics.linger; a signal ends it)");
+                    tokio::select! {
+                        () = tokio::time::sleep(linger) => {}
+                        () = shutdown_signal() => {}
+                    }
+                }
+                let report = ended?;
                 match report.final_checkpoint {
                     Some(id) if stop.is_requested() => tracing::info!(
                         attempts = report.attempts,

@@ -46,6 +46,8 @@ pub struct JobPlan {
     pub retained: usize,
     /// The Prometheus endpoint, if any.
     pub metrics_address: Option<SocketAddr>,
+    /// How long the endpoint stays up after the job ended by itself.
+    pub metrics_linger: Duration,
     /// The sink's configuration (catalog, table).
     pub sink: IcebergSinkConfig,
     graph: JobGraph,
@@ -518,6 +520,16 @@ impl JobFile {
                 })
             })
             .transpose()?;
+        let metrics_linger = match self.metrics.linger.as_deref() {
+            None => Duration::ZERO,
+            Some(_) if metrics_address.is_none() => {
+                return Err(err(
+                    "metrics.linger",
+                    "keeps the metrics endpoint up after the job ends; set metrics.address too",
+                ));
+            }
+            Some(l) => duration("metrics.linger", l)?,
+        };
 
         let sink = IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?;
         let job = JobBuilder::new(job_id.clone());
@@ -551,6 +563,7 @@ impl JobFile {
             checkpoint_dir: absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints")),
             retained,
             metrics_address,
+            metrics_linger,
             sink: sc,
             graph,
             file: self.clone(),
@@ -637,6 +650,61 @@ pub fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
                 .flatten()
         })
         .sum()
+}
+
+/// The key counters of a job in one line, from Prometheus text (what
+/// `/metrics` serves): records read, bad records by reason, rows written,
+/// checkpoints, commits. For the log when a job ends.
+///
+/// ```
+/// let text = "tinyflow_kafka_records_read_total{subtask=\"0\"} 10\n\
+///     tinyflow_bad_records_total{operator=\"kafka\",reason=\"invalid_json\",subtask=\"0\"} 2\n";
+/// assert_eq!(
+///     tinyflow_cli::counters_line(text),
+///     "records_read=10 bad_records=2 (invalid_json=2) rows_written=0 rows_skipped_by_sink=0 \
+///      checkpoints_completed=0 checkpoints_failed=0 commits=0"
+/// );
+/// ```
+pub fn counters_line(text: &str) -> String {
+    // Counters are whole numbers (an empty sum of f64 is -0).
+    let sum = |name| metric_sum(text, name, None) as u64;
+    let mut by_reason: BTreeMap<&str, u64> = BTreeMap::new();
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let Some(labels) = series
+            .strip_prefix("tinyflow_bad_records_total{")
+            .and_then(|s| s.strip_suffix('}'))
+        else {
+            continue;
+        };
+        let reason = labels
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("reason=\""))
+            .and_then(|v| v.strip_suffix('"'))
+            .unwrap_or("unknown");
+        *by_reason.entry(reason).or_default() += value.parse::<f64>().unwrap_or(0.0) as u64;
+    }
+    let reasons: Vec<String> = by_reason.iter().map(|(r, n)| format!("{r}={n}")).collect();
+    let bad = if reasons.is_empty() {
+        "0".to_owned()
+    } else {
+        format!(
+            "{} ({})",
+            by_reason.values().sum::<u64>(),
+            reasons.join(" ")
+        )
+    };
+    format!(
+        "records_read={} bad_records={bad} rows_written={} rows_skipped_by_sink={} checkpoints_completed={} checkpoints_failed={} commits={}",
+        sum("tinyflow_kafka_records_read_total"),
+        sum("tinyflow_iceberg_rows_written_total"),
+        sum("tinyflow_iceberg_bad_records_total"),
+        sum("tinyflow_checkpoints_completed_total"),
+        sum("tinyflow_checkpoints_failed_total"),
+        sum("tinyflow_iceberg_commits_total"),
+    )
 }
 
 impl JobPlan {
@@ -757,6 +825,41 @@ mod tests {
             Some(std::time::Duration::from_secs(1))
         );
         assert_eq!(plan.metrics_address.unwrap().port(), 9898);
+        assert_eq!(plan.metrics_linger, std::time::Duration::from_secs(10));
+    }
+
+    #[test]
+    fn metrics_linger_needs_the_endpoint_and_a_duration() {
+        let e = plan_error(|t| t.replace("address = \"127.0.0.1:9898\"", "port = 1"));
+        assert!(e.contains("port"), "{e}");
+        let e = plan_error(|t| {
+            t.replace(
+                "address = \"127.0.0.1:9898\"   # Prometheus: http://127.0.0.1:9898/metrics\n",
+                "",
+            )
+        });
+        assert!(e.starts_with("metrics.linger:"), "{e}");
+        let e = plan_error(|t| t.replace("linger = \"10s\"", "linger = \"10\""));
+        assert!(e.starts_with("metrics.linger:"), "{e}");
+    }
+
+    #[test]
+    fn the_counters_line_sums_over_subtasks_and_splits_bad_records_by_reason() {
+        let text = "# TYPE tinyflow_kafka_records_read_total counter\n\
+            tinyflow_kafka_records_read_total{operator=\"kafka\",subtask=\"0\"} 600\n\
+            tinyflow_kafka_records_read_total{operator=\"kafka\",subtask=\"1\"} 400\n\
+            tinyflow_bad_records_total{operator=\"kafka\",reason=\"invalid_json\",subtask=\"0\"} 3\n\
+            tinyflow_bad_records_total{operator=\"kafka\",reason=\"invalid_json\",subtask=\"1\"} 2\n\
+            tinyflow_bad_records_total{operator=\"kafka\",reason=\"schema_mismatch\",subtask=\"1\"} 1\n\
+            tinyflow_iceberg_rows_written_total{sink=\"iceberg\"} 994\n\
+            tinyflow_checkpoints_completed_total{job=\"bids\"} 7\n\
+            tinyflow_checkpoints_failed_total{job=\"bids\",reason=\"timeout\"} 1\n\
+            tinyflow_iceberg_commits_total{sink=\"iceberg\"} 7\n";
+        assert_eq!(
+            crate::counters_line(text),
+            "records_read=1000 bad_records=6 (invalid_json=5 schema_mismatch=1) rows_written=994 \
+             rows_skipped_by_sink=0 checkpoints_completed=7 checkpoints_failed=1 commits=7"
+        );
     }
 
     #[test]

@@ -11,7 +11,9 @@
 //! what was produced.
 //!
 //! Beside it, a bounded job (`source.bounded = true`) run the same way must
-//! end by itself with every record committed once; and the same job on a
+//! end by itself with every record committed once, log its final counters
+//! and, with `metrics.linger`, serve them at `/metrics` until it exits; and
+//! the same job on a
 //! disk too small for its data (a 512 KiB tmpfs; the test needs root to
 //! mount it) must fail its attempts with an error naming the file and the
 //! full disk, clean up after each, and finish with every record once when
@@ -261,6 +263,110 @@ fn bid_json(id: u64) -> Vec<u8> {
         "x".repeat(64)
     )
     .into_bytes()
+}
+
+/// `GET /metrics` over plain HTTP; the body, or `None` while the endpoint
+/// is not up.
+fn scrape(port: u16) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let (head, body) = out.split_once("\r\n\r\n")?;
+    (head.starts_with("HTTP/1.") && head.contains(" 200 ")).then(|| body.to_owned())
+}
+
+/// A bounded job with `metrics.linger` logs its final counters when it
+/// ends, bad records by reason included, and serves the final values at
+/// `/metrics` for the linger before it exits 0. On the shared broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_job_logs_its_final_counters_and_serves_them_while_it_lingers() {
+    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
+    let topic = format!(
+        "linger-bids-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+    );
+    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    let n = 2_000u64;
+    let bad = 10u64;
+    produce_stream(
+        &bootstrap,
+        &topic,
+        &[],
+        (0..n + bad).map(|i| {
+            let value = if i % 200 == 100 {
+                b"{not json".to_vec()
+            } else {
+                bid_json(i - (i + 100) / 200)
+            };
+            ((i % PARTITIONS as u64) as i32, value)
+        }),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = dir.join("job.toml");
+    let text = job_text(
+        &dir,
+        &bootstrap,
+        &topic,
+        "bounded = true\nbad_records = \"skip\"",
+    );
+    std::fs::write(
+        &job,
+        format!("{text}\n[metrics]\naddress = \"127.0.0.1:{port}\"\nlinger = \"4s\"\n"),
+    )
+    .unwrap();
+    let mut run = Run::start(&job, &dir, 0);
+    let started = Instant::now();
+    assert!(
+        run.wait_for("final counters of this run", Duration::from_secs(120)),
+        "no final counters; log: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
+    let log = std::fs::read_to_string(&run.log).unwrap_or_default();
+    let line = log
+        .lines()
+        .find(|l| l.contains("final counters of this run"))
+        .unwrap();
+    let total = n + bad;
+    assert!(
+        line.contains(&format!(
+            "records_read={total} bad_records={bad} (invalid_json={bad})"
+        )),
+        "{line}"
+    );
+    // The job has ended; the endpoint still serves its final values.
+    let body = scrape(port).unwrap_or_else(|| panic!("no /metrics while lingering; log: {log}"));
+    assert_eq!(
+        tinyflow_cli::metric_sum(&body, "tinyflow_kafka_records_read_total", None),
+        total as f64
+    );
+    assert_eq!(
+        tinyflow_cli::metric_sum(
+            &body,
+            "tinyflow_bad_records_total",
+            Some("reason=\"invalid_json\"")
+        ),
+        bad as f64
+    );
+    run.exits_0_within_120_s("a bounded job with metrics.linger = 4s still ran after 120 s");
+    assert!(
+        started.elapsed() >= Duration::from_secs(4),
+        "exited before its linger"
+    );
+    read_each_once(&dir, n);
 }
 
 /// `source.bounded = true`: `tinyflow run` reads up to the end offsets it

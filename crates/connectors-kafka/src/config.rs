@@ -37,11 +37,15 @@ pub enum BadRecordPolicy {
     /// Skip it.
     Skip,
     /// Produce it (key, value and headers unchanged) to this topic, with
-    /// the reason and origin in headers `tinyflow.error`,
+    /// the reason and origin in headers `tinyflow.error`, `tinyflow.group`,
     /// `tinyflow.source.topic`, `tinyflow.source.partition`,
-    /// `tinyflow.source.offset` and `tinyflow.source.timestamp`. The
-    /// dead-letter records are flushed before every checkpoint, so a
-    /// checkpoint never covers a bad record that is not in the topic.
+    /// `tinyflow.source.offset` and `tinyflow.source.timestamp`, exactly
+    /// once: the dead letters are written in a transaction that commits
+    /// before every checkpoint's positions are taken, and a restored source
+    /// reads the topic back and does not send a bad record whose dead
+    /// letter is there already. A bad record larger than the topic takes
+    /// is sent with its value truncated and headers `tinyflow.truncated`
+    /// and `tinyflow.original.bytes`.
     DeadLetter {
         /// The dead-letter topic (on the same cluster, same client settings).
         topic: String,

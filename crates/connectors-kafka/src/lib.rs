@@ -14,7 +14,9 @@
 //! bytes, UTF-8, or JSON into any `serde` type) with topic, partition,
 //! offset, timestamp, key and headers. A record that does not decode goes to
 //! the [`BadRecordPolicy`]: fail with the topic, partition, offset and
-//! reason, or skip it (counted).
+//! reason, skip it, or send it to a dead-letter topic, exactly once
+//! (transactions committed with the checkpoint, read back on restore);
+//! counted by reason and summed up in the log.
 //!
 //! With [`KafkaSource::with_event_time`] the source reads event time from
 //! record timestamps or a field of the value and reports a watermark per
@@ -30,6 +32,7 @@ mod dead_letter;
 mod embedded;
 mod scan;
 mod source;
+mod state;
 #[cfg(feature = "testing")]
 pub mod testing;
 

@@ -69,7 +69,7 @@ impl<V> KafkaSource<V> {
     }
 }
 
-type Partition = (Arc<str>, i32);
+pub(crate) type Partition = (Arc<str>, i32);
 
 /// The consumer's context: passes librdkafka's logs to `tracing` and keeps
 /// the last warning or error (connection refused, authentication failed),
@@ -205,11 +205,13 @@ pub fn offsets_of_positions(
 /// The positions (topic, partition, next offset) in a Kafka source's
 /// checkpoint state, for tools that inspect checkpoints.
 pub fn decode_positions(bytes: &[u8]) -> StreamResult<Vec<(String, i32, i64)>> {
-    postcard::from_bytes(bytes).map_err(|e| StreamError::State {
-        operator: "kafka source".into(),
-        action: "decoded",
-        message: e.to_string(),
-    })
+    crate::state::decode(bytes)
+        .map(|s| s.positions)
+        .map_err(|e| StreamError::State {
+            operator: "kafka source".into(),
+            action: "decoded",
+            message: e.to_string(),
+        })
 }
 
 impl KafkaSourceConfig {
@@ -625,7 +627,9 @@ pub(crate) fn open<D: Decode, V>(
         })
         .collect();
     let dead_letter = match &config.bad_records {
-        BadRecordPolicy::DeadLetter { topic } => Some(DeadLetter::new(config, topic, &name)?),
+        BadRecordPolicy::DeadLetter { topic } => {
+            Some(DeadLetter::new(config, topic, &name, ctx, restored)?)
+        }
         _ => None,
     };
     // A client of its own: the error paths of metadata requests poll their
@@ -920,6 +924,10 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             self.bad.flush()?;
             return Ok(None);
         }
+        // After a restore, the dead-letter topic is read back first.
+        if !self.bad.ready().await? {
+            return Ok(Some(Vec::new()));
+        }
         let mut polled = Vec::with_capacity(self.batch_size.min(4096));
         let mut error = None;
         let polled_at = Instant::now();
@@ -1006,8 +1014,9 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
     }
 
     fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
-        // Dead letters first: the positions below cover them.
+        // Dead letters first (committed): the positions below cover them.
         self.bad.flush()?;
+        let dead_letter = self.bad.checkpoint_state(&self.positions);
         if self.commit_offsets {
             // Aborted checkpoints never complete; a later completion drops
             // them. Bounded in case completions stop coming.
@@ -1021,7 +1030,7 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             .iter()
             .map(|((t, p), o)| (&**t, *p, *o))
             .collect();
-        postcard::to_allocvec(&positions).map_err(|e| StreamError::State {
+        crate::state::encode(&positions, dead_letter.as_ref()).map_err(|e| StreamError::State {
             operator: self.bad.name.clone(),
             action: "encoded",
             message: e.to_string(),

@@ -27,11 +27,25 @@ pub fn bootstrap() -> String {
 
 /// Creates `topic` with `partitions` partitions (replication 1).
 pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> Result<(), String> {
+    create_topic_with(bootstrap, topic, partitions, &[]).await
+}
+
+/// Creates `topic` with `partitions` partitions (replication 1) and topic
+/// settings `config`, such as `("max.message.bytes", "2048")`.
+pub async fn create_topic_with(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    config: &[(&str, &str)],
+) -> Result<(), String> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
         .map_err(|e| e.to_string())?;
-    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    for (k, v) in config {
+        new = new.set(k, v);
+    }
     let results = admin
         .create_topics(
             [&new],
