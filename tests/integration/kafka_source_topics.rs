@@ -16,8 +16,8 @@ use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
 use tinyflow_api::{JobBuilder, JobId, OperatorContext, Source, SourceFactory, StreamError};
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_kafka::testing::{
-    TxProducer, add_partitions, bootstrap, create_topic, delete_records_before, delete_topic,
-    produce, produce_in_batches_of,
+    TxProducer, add_partitions, bootstrap, create_topic, create_topic_with, delete_records_before,
+    delete_topic, produce, produce_in_batches_of,
 };
 use tinyflow_connectors_kafka::{
     Format, KafkaRecord, KafkaSource, KafkaSourceConfig, StartPosition,
@@ -502,5 +502,26 @@ async fn a_bounded_reader_keeps_its_position_at_the_end_of_its_start() {
         at.get(&format!("{topic}/0")).map(String::as_str),
         Some("1000"),
         "{at:?}"
+    );
+}
+
+/// A topic whose batches this build of librdkafka cannot decompress (the
+/// broker recompresses them with zstd, a codec the build lacks): the
+/// reader fails for good, saying why, instead of stalling with warnings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codec_the_build_lacks_fails_the_reader_for_good() {
+    let topic = fresh("zstd");
+    create_topic_with(&bootstrap(), &topic, 1, &[("compression.type", "zstd")])
+        .await
+        .unwrap();
+    produce(&bootstrap(), &topic, &records(0..100, 1)).unwrap();
+    let mut r = reader(config(&topic, false));
+    let (read, e) = read_until_error(&mut r, Duration::from_secs(30)).await;
+    let text = tinyflow_api::error_chain(&e);
+    assert_eq!(read, 0, "{text}");
+    assert!(!e.is_retryable(), "retryable: {text}");
+    assert!(
+        text.contains(&topic) && text.contains("does not heal"),
+        "{text}"
     );
 }
