@@ -867,7 +867,7 @@ mod tests {
         for (edit, want) in [
             (
                 ("retained = 3", "retaind = 3"),
-                "job.toml:76: `retaind = 3`: unknown field `retaind`",
+                "job.toml:79: `retaind = 3`: unknown field `retaind`",
             ),
             (
                 ("parallelism = 2 ", "parallelism = \"two\" "),
