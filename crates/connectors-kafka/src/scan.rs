@@ -240,6 +240,29 @@ fn string_end(bytes: &[u8], start: usize) -> (usize, bool) {
     }
 }
 
+/// Where the run of ASCII digits starting at `start` ends.
+fn digits_end(bytes: &[u8], start: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH_NIBBLES: u64 = 0xF0 * ONES;
+    const ZEROS: u64 = 0x30 * ONES;
+    let mut i = start;
+    // Eight bytes at a time: a byte is a digit when it and it plus 6 are
+    // both 0x3_ (a carry out of a byte that is not a digit can only spoil
+    // the bytes above it, so the lowest non-digit is exact).
+    while let Some(chunk) = bytes.get(i..i + 8) {
+        let w = u64::from_le_bytes(chunk.try_into().expect("a chunk of 8 bytes"));
+        let other = (w & HIGH_NIBBLES ^ ZEROS) | (w.wrapping_add(6 * ONES) & HIGH_NIBBLES ^ ZEROS);
+        if other != 0 {
+            return i + (other.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while i < bytes.len() && bytes[i].is_ascii_digit() {
+        i += 1;
+    }
+    i
+}
+
 /// Checks the size and nesting depth of `payload` only (for decoders that
 /// check types themselves, such as serde).
 pub(crate) fn check_structure(payload: &[u8], limits: &Limits) -> Result<(), BadRecord> {
@@ -250,6 +273,16 @@ pub(crate) fn check_structure(payload: &[u8], limits: &Limits) -> Result<(), Bad
 /// top-level field that is one of `columns`.
 pub(crate) fn scan(payload: &[u8], limits: &Limits, columns: &Columns) -> Result<(), BadRecord> {
     limits.check_size(payload)?;
+    if columns.names.is_empty()
+        && memchr::memchr2_iter(b'{', b'[', payload)
+            .take(limits.max_depth + 1)
+            .count()
+            <= limits.max_depth
+    {
+        // No more brackets than levels allowed (in strings or not): no
+        // need to walk the structure.
+        return Ok(());
+    }
     let bytes = payload;
     let n = bytes.len();
     let mut depth = 0usize;
@@ -309,10 +342,7 @@ pub(crate) fn scan(payload: &[u8], limits: &Limits, columns: &Columns) -> Result
             }
             b'-' | b'0'..=b'9' => {
                 let start = i;
-                i += 1;
-                while i < n && bytes[i].is_ascii_digit() {
-                    i += 1;
-                }
+                i = digits_end(bytes, i + 1);
                 // Only digits after an optional minus sign.
                 let plain = i == n || !matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E');
                 while i < n && matches!(bytes[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E') {
