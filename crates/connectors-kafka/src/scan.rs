@@ -15,6 +15,8 @@
 //! decoder, which reports it. The scan never allocates on the common path
 //! and costs about one comparison per byte.
 
+use std::sync::LazyLock;
+
 use crate::bad_record::{BadReason, BadRecord};
 
 /// How large and how deep one record may be.
@@ -266,7 +268,8 @@ fn digits_end(bytes: &[u8], start: usize) -> usize {
 /// Checks the size and nesting depth of `payload` only (for decoders that
 /// check types themselves, such as serde).
 pub(crate) fn check_structure(payload: &[u8], limits: &Limits) -> Result<(), BadRecord> {
-    scan(payload, limits, &Columns::default())
+    static NO_COLUMNS: LazyLock<Columns> = LazyLock::new(Columns::default);
+    scan(payload, limits, &NO_COLUMNS)
 }
 
 /// Checks the size and nesting depth of `payload`, and the value of each
