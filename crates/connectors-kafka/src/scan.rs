@@ -277,103 +277,124 @@ pub(crate) fn check_structure(payload: &[u8], limits: &Limits) -> Result<(), Bad
 
 /// Checks the size and nesting depth of `payload`, and the value of each
 /// top-level field that is one of `columns`.
+///
+/// A top-level object is read by its grammar (key, colon, value, comma), so
+/// each field costs a few predictable branches; nested values, and whatever
+/// does not follow the grammar (the decoder reports it), are walked for
+/// depth only.
 pub(crate) fn scan(payload: &[u8], limits: &Limits, columns: &Columns) -> Result<(), BadRecord> {
     limits.check_size(payload)?;
-    if columns.names.is_empty()
-        && memchr::memchr2_iter(b'{', b'[', payload)
+    let b = payload;
+    if columns.names.is_empty() {
+        if memchr::memchr2_iter(b'{', b'[', b)
             .take(limits.max_depth + 1)
             .count()
             <= limits.max_depth
-    {
-        // No more brackets than levels allowed (in strings or not): no
-        // need to walk the structure.
-        return Ok(());
+        {
+            // No more brackets than levels allowed (in strings or not): no
+            // need to walk the structure.
+            return Ok(());
+        }
+        return walk(b, 0, 0, false, limits).map(drop);
     }
-    let bytes = payload;
-    let n = bytes.len();
-    let mut depth = 0usize;
-    // In the top-level object: the next string is a key.
-    let mut expect_key = false;
-    let mut top_object = false;
-    // The column of the top-level field whose value comes next, once its
-    // colon is seen.
-    let mut column: Option<usize> = None;
-    let mut value_next = false;
-    let mut i = 0;
-    while i < n {
-        match bytes[i] {
-            b'"' => {
-                let (end, escaped) = string_end(bytes, i + 1);
-                if depth == 1 && top_object && !columns.names.is_empty() {
-                    let s = &bytes[i + 1..end];
-                    if expect_key {
-                        column = columns.index_of(s, escaped);
-                        expect_key = false;
-                    } else if value_next && let Some(c) = column.take() {
-                        check_string(columns.kinds[c], s, escaped, &columns.allow)
-                            .map_err(|bad| with_column(bad, &columns.name(c)))?;
-                    }
-                    value_next = false;
+    let mut i = skip_whitespace(b, 0);
+    if b.get(i) != Some(&b'{') || limits.max_depth == 0 {
+        return walk(b, i, 0, false, limits).map(drop);
+    }
+    i += 1;
+    loop {
+        i = skip_whitespace(b, i);
+        if b.get(i) != Some(&b'"') {
+            break;
+        }
+        let (end, escaped) = string_end(b, i + 1);
+        let column = columns.index_of(&b[i + 1..end], escaped);
+        i = skip_whitespace(b, end + 1);
+        if b.get(i) != Some(&b':') {
+            break;
+        }
+        i = skip_whitespace(b, i + 1);
+        match b.get(i) {
+            Some(b'"') => {
+                let (end, escaped) = string_end(b, i + 1);
+                if let Some(c) = column {
+                    check_string(columns.kinds[c], &b[i + 1..end], escaped, &columns.allow)
+                        .map_err(|bad| with_column(bad, &columns.name(c)))?;
                 }
                 i = end + 1;
             }
+            Some(b'-' | b'0'..=b'9') => {
+                let start = i;
+                i = digits_end(b, i + 1);
+                // Only digits after an optional minus sign.
+                let plain = !matches!(b.get(i), Some(b'-' | b'+' | b'.' | b'e' | b'E'));
+                while i < b.len() && matches!(b[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E')
+                {
+                    i += 1;
+                }
+                if let Some(c) = column {
+                    check_number(columns.kinds[c], &b[start..i], plain, &columns.allow)
+                        .map_err(|bad| with_column(bad, &columns.name(c)))?;
+                }
+            }
+            Some(b'{' | b'[') => i = walk(b, i, 1, true, limits)?,
+            Some(b't' | b'f' | b'n') => {
+                while i < b.len() && b[i].is_ascii_lowercase() {
+                    i += 1;
+                }
+            }
+            _ => break,
+        }
+        i = skip_whitespace(b, i);
+        if b.get(i) != Some(&b',') {
+            break;
+        }
+        i += 1;
+    }
+    // The closing brace and whatever follows, or what broke the grammar.
+    walk(b, i, 1, false, limits).map(drop)
+}
+
+fn skip_whitespace(b: &[u8], mut i: usize) -> usize {
+    while i < b.len() && matches!(b[i], b' ' | b'\n' | b'\r' | b'\t') {
+        i += 1;
+    }
+    i
+}
+
+/// Walks from `i` at nesting `depth` for depth only: strings skipped,
+/// brackets counted. With `nested`, returns after the bracket that brings
+/// the depth back to where it started; otherwise at the end.
+fn walk(
+    b: &[u8],
+    mut i: usize,
+    depth: usize,
+    nested: bool,
+    limits: &Limits,
+) -> Result<usize, BadRecord> {
+    let base = depth;
+    let mut depth = depth;
+    while i < b.len() {
+        match b[i] {
+            b'"' => i = string_end(b, i + 1).0 + 1,
             b'{' | b'[' => {
                 depth += 1;
                 if depth > limits.max_depth {
                     return Err(too_deep(limits, i));
                 }
-                if depth == 1 {
-                    top_object = bytes[i] == b'{';
-                    expect_key = top_object;
-                    column = None;
-                }
-                value_next = false;
                 i += 1;
             }
             b'}' | b']' => {
                 depth = depth.saturating_sub(1);
                 i += 1;
-            }
-            b':' => {
-                value_next = depth == 1 && column.is_some();
-                i += 1;
-            }
-            b',' => {
-                if depth == 1 && top_object {
-                    expect_key = true;
-                    column = None;
-                    value_next = false;
+                if nested && depth == base {
+                    return Ok(i);
                 }
-                i += 1;
             }
-            b'-' | b'0'..=b'9' => {
-                let start = i;
-                i = digits_end(bytes, i + 1);
-                // Only digits after an optional minus sign.
-                let plain = i == n || !matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E');
-                while i < n && matches!(bytes[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E') {
-                    i += 1;
-                }
-                if depth == 1
-                    && value_next
-                    && let Some(c) = column.take()
-                {
-                    check_number(columns.kinds[c], &bytes[start..i], plain, &columns.allow)
-                        .map_err(|bad| with_column(bad, &columns.name(c)))?;
-                }
-                value_next = false;
-            }
-            _ => {
-                // Whitespace, `true`, `false`, `null`, or not JSON (the
-                // decoder says so).
-                if !bytes[i].is_ascii_whitespace() {
-                    value_next = false;
-                }
-                i += 1;
-            }
+            _ => i += 1,
         }
     }
-    Ok(())
+    Ok(i)
 }
 
 fn with_column(mut bad: BadRecord, column: &str) -> BadRecord {
