@@ -695,6 +695,54 @@ mod tests {
     }
 
     #[test]
+    fn narrow_unsigned_float_and_date_columns_fit_exactly_or_are_bad() {
+        let format = JsonArrow::new(Arc::new(Schema::new(vec![
+            Field::new("i8", DataType::Int8, true),
+            Field::new("u64", DataType::UInt64, true),
+            Field::new("f32", DataType::Float32, true),
+            Field::new("d", DataType::Date32, true),
+        ])));
+        let mut d = decoder(&format);
+        let payloads = [
+            r#"{"i8":-128,"u64":18446744073709551615,"f32":1.5,"d":"2024-02-29"}"#,
+            r#"{"i8":128}"#,
+            r#"{"i8":-129}"#,
+            r#"{"u64":-1}"#,
+            r#"{"u64":18446744073709551616}"#,
+            r#"{"f32":1e39}"#,
+            r#"{"f32":"1.5"}"#,
+            r#"{"d":19782.5}"#,
+            r#"{"d":19782}"#,
+            r#"{"d":"2024-02-29T23:00:00-05:00"}"#,
+            r#"{"i8":1e2,"f32":-0.0}"#,
+        ];
+        let refs: Vec<&[u8]> = payloads.iter().map(|p| p.as_bytes()).collect();
+        let (batch, bad) = d.decode(&refs);
+        let lossy = Some(BadReason::LossyConversion);
+        assert_eq!(
+            reasons(&bad),
+            [
+                None, lossy, lossy, lossy, lossy, lossy, lossy, lossy, None, lossy, None
+            ]
+        );
+        let batch = batch.expect("good rows");
+        let i8s: Vec<Option<i8>> = batch
+            .column(0)
+            .as_primitive::<arrow_array::types::Int8Type>()
+            .iter()
+            .collect();
+        assert_eq!(i8s, [Some(-128), None, Some(100)]);
+        let u64s = batch
+            .column(1)
+            .as_primitive::<arrow_array::types::UInt64Type>();
+        assert_eq!(u64s.value(0), u64::MAX);
+        let days = batch
+            .column(3)
+            .as_primitive::<arrow_array::types::Date32Type>();
+        assert_eq!((days.value(0), days.value(1)), (19782, 19782));
+    }
+
+    #[test]
     fn timestamps_in_an_unknown_format_or_too_precise_are_bad() {
         let format = JsonArrow::new(Arc::new(Schema::new(vec![Field::new(
             "ts",
@@ -773,6 +821,66 @@ mod tests {
     /// The proptest's max_record_bytes: above the largest nesting generated.
     const LIMIT: usize = 1 << 20;
 
+    /// How a bid's JSON is laid out: field order, whitespace, whether the
+    /// price's key is escaped, and a nested decoy holding a lossy `price`.
+    #[derive(Debug, Clone)]
+    struct BidLayout {
+        order: Vec<usize>,
+        spaces: Vec<&'static str>,
+        escaped_key: bool,
+        decoy: bool,
+    }
+
+    impl BidLayout {
+        fn payload(&self, price: &str) -> String {
+            let price_key = if self.escaped_key {
+                r#""pr\u0069ce""#
+            } else {
+                r#""price""#
+            };
+            let mut fields: Vec<String> = vec![
+                r#""auction":1000"#.to_owned(),
+                r#""bidder":2001"#.to_owned(),
+                format!("{price_key}{}:{}{price}", self.spaces[0], self.spaces[1]),
+                r#""channel":"price\":1.5""#.to_owned(),
+                r#""url":"https://www.nexmark.com/x""#.to_owned(),
+                r#""date_time":1700000000000"#.to_owned(),
+                r#""extra":"abc""#.to_owned(),
+            ];
+            if self.decoy {
+                fields.push(r#""nested":{"price":1.5,"list":[{"price":"12"}]}"#.to_owned());
+            }
+            let ordered: Vec<&str> = self
+                .order
+                .iter()
+                .filter_map(|i| fields.get(*i).map(String::as_str))
+                .collect();
+            let sep = format!("{},{}", self.spaces[2], self.spaces[3]);
+            format!(
+                "{}{{{}{}}}",
+                self.spaces[4],
+                ordered.join(&sep),
+                self.spaces[5]
+            )
+        }
+    }
+
+    fn bid_layout() -> impl Strategy<Value = BidLayout> {
+        let space = prop::sample::select(vec!["", " ", "\n\t ", "\r\n"]);
+        (
+            Just((0..8).collect::<Vec<usize>>()).prop_shuffle(),
+            prop::collection::vec(space, 6),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(order, spaces, escaped_key, decoy)| BidLayout {
+                order,
+                spaces,
+                escaped_key,
+                decoy,
+            })
+    }
+
     /// Payloads meant to break a decoder.
     fn adversarial() -> impl Strategy<Value = Vec<u8>> {
         // Deep enough to overflow a stack if anything recursed over it:
@@ -848,19 +956,22 @@ mod tests {
         /// A price is decoded to exactly its value, or the record is bad
         /// with reason lossy_conversion.
         #[test]
-        fn prices_decode_exactly_or_are_lossy((literal, expected) in price_literal()) {
+        fn prices_decode_exactly_or_are_lossy(
+            (literal, expected) in price_literal(),
+            layout in bid_layout(),
+        ) {
             let mut d = decoder(&bids());
-            let payload = bid(&literal);
+            let payload = layout.payload(&literal);
             let (batch, bad) = d.decode(&[payload.as_bytes()]);
             match expected {
                 Some(v) => {
-                    prop_assert!(bad[0].is_none(), "{literal}: {:?}", bad[0]);
+                    prop_assert!(bad[0].is_none(), "{payload}: {:?}", bad[0]);
                     prop_assert_eq!(prices(&batch.expect("decoded")), [Some(v)]);
                 }
                 None => prop_assert_eq!(
                     bad[0].as_ref().map(|b| b.0),
                     Some(BadReason::LossyConversion),
-                    "{}", literal
+                    "{}", payload
                 ),
             }
         }
