@@ -12,8 +12,10 @@
 //!
 //! Beside it, a bounded job (`source.bounded = true`) run the same way must
 //! end by itself with every record committed once, log its final counters
-//! and, with `metrics.linger`, serve them at `/metrics` until it exits; and
-//! the same job on a
+//! and, with `metrics.linger`, serve them at `/metrics` until it exits; a
+//! bounded job with bad records and a dead-letter topic killed with SIGKILL
+//! again and again must leave each bad record in that topic once
+//! (`read_committed`); and the same job on a
 //! disk too small for its data (a 512 KiB tmpfs; the test needs root to
 //! mount it) must fail its attempts with an error naming the file and the
 //! full disk, clean up after each, and finish with every record once when
@@ -118,10 +120,15 @@ struct Run {
 
 impl Run {
     fn start(job: &Path, dir: &Path, n: u32) -> Run {
+        Run::start_logging(job, dir, n, "info")
+    }
+
+    /// As [`Run::start`], with `TINYFLOW_LOG=log`.
+    fn start_logging(job: &Path, dir: &Path, n: u32, log: &str) -> Run {
         let mut child = Command::new(tinyflow_bin())
             .args(["run", job.to_str().unwrap()])
             .env("TINYFLOW_CHAOS_COMMIT_PAUSE_MS", "150")
-            .env("TINYFLOW_LOG", "info")
+            .env("TINYFLOW_LOG", log)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -367,6 +374,102 @@ async fn a_bounded_job_logs_its_final_counters_and_serves_them_while_it_lingers(
         "exited before its linger"
     );
     read_each_once(&dir, n);
+}
+
+/// The dead-letter topic under SIGKILL: a bounded job with bad records
+/// among good ones, killed right after its source committed dead letters
+/// (the 1st or 2nd time in the run), four times (at least twice before it
+/// got to the end), then run to its end. Each bad record is in the dead-letter topic
+/// once (`read_committed`), each good one in the table once. On the shared
+/// broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_again_and_again_a_job_leaves_each_bad_record_in_the_dead_letter_topic_once() {
+    use tinyflow_connectors_kafka::testing::read_topic;
+    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let topic = format!("dl-kill-bids-{nanos}");
+    let dlq = format!("dl-kill-dlq-{nanos}");
+    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    create_topic(&bootstrap, &dlq, 2).await.unwrap();
+    let n = 600_000u64;
+    // Not a multiple of the partitions: bad records in all of them.
+    let every = 999u64;
+    let mut bad = Vec::new();
+    let mut next = [0i64; PARTITIONS as usize];
+    let mut id = 0u64;
+    let mut records: Vec<(i32, Vec<u8>)> = Vec::new();
+    for i in 0.. {
+        if id == n {
+            break;
+        }
+        let p = (i % PARTITIONS as u64) as i32;
+        let value = if i % every == every / 2 {
+            bad.push((p, next[p as usize]));
+            format!("{{not json {i}").into_bytes()
+        } else {
+            id += 1;
+            bid_json(id - 1)
+        };
+        next[p as usize] += 1;
+        records.push((p, value));
+    }
+    assert_eq!(id, n);
+    produce_stream(&bootstrap, &topic, &[], records.into_iter()).unwrap();
+    bad.sort_unstable();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let extra = format!("bounded = true\nbad_records = \"dead-letter:{dlq}\"");
+    let job = job_file(&dir, &bootstrap, &topic, &extra);
+    let mut rng = SplitMix64::new(nanos as u64);
+    let mut kills = 0;
+    for k in 0..4 {
+        // Killed just after the source committed dead letters in a
+        // snapshot, mostly before that checkpoint is durable: the next run
+        // restores the one before and reads those bad records again.
+        let mut run = Run::start_logging(&job, &dir, k, "info,tinyflow_connectors_kafka=debug");
+        let commits = 1 + rng.below(2);
+        if !(0..commits).all(|_| run.wait_for("dead letters committed", Duration::from_secs(60))) {
+            // Nothing left to read: an earlier run got to the end.
+            run.exits_0_within_120_s("a run that met no bad record still ran after 120 s");
+            break;
+        }
+        if run.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        run.kill();
+        kills += 1;
+    }
+    assert!(kills >= 2, "only {kills} runs killed before the end");
+    let mut run = Run::start(&job, &dir, 4);
+    run.exits_0_within_120_s("the last run still ran after 120 s");
+    read_each_once(&dir, n);
+
+    let letters = read_topic(&bootstrap, &dlq, bad.len(), Duration::from_secs(60)).unwrap();
+    assert_eq!(letters.len(), bad.len(), "dead letters after 60 s");
+    // Anything more would be a duplicate: give it time to show.
+    let letters = read_topic(&bootstrap, &dlq, bad.len() + 1, Duration::from_secs(5)).unwrap();
+    let mut origins: Vec<(i32, i64)> = letters
+        .iter()
+        .map(|l| {
+            assert_eq!(l.header("tinyflow.source.topic"), Some(topic.clone()));
+            (
+                l.header("tinyflow.source.partition")
+                    .unwrap()
+                    .parse()
+                    .unwrap(),
+                l.header("tinyflow.source.offset").unwrap().parse().unwrap(),
+            )
+        })
+        .collect();
+    origins.sort_unstable();
+    assert_eq!(
+        origins, bad,
+        "each bad record once in the dead-letter topic"
+    );
 }
 
 /// `source.bounded = true`: `tinyflow run` reads up to the end offsets it

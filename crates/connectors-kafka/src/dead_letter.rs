@@ -486,6 +486,7 @@ impl DeadLetter {
                     true,
                 )
             })?;
+            tracing::debug!(source = %name, dead_letter = %self.topic, letters = self.sent, "dead letters committed");
             self.in_transaction = false;
             self.sent = 0;
         }
