@@ -354,6 +354,26 @@ async fn a_bounded_job_logs_its_final_counters_and_serves_them_while_it_lingers(
         )),
         "{line}"
     );
+    // `skip` leaves a trace at info: a summary with counts and first
+    // positions, and totals per source subtask when it ends.
+    assert!(
+        log.contains("bad records since the last summary")
+            && log.contains("counts=invalid_json=")
+            && log.contains(&format!("first={topic}/")),
+        "no bad-record summary; log: {log}"
+    );
+    let totals: u64 = log
+        .lines()
+        .filter(|l| l.contains("bad records of this source subtask, in total"))
+        .map(|l| {
+            l.split("totals=invalid_json=")
+                .nth(1)
+                .and_then(|t| t.split_whitespace().next())
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no totals in {l:?}"))
+        })
+        .sum();
+    assert_eq!(totals, bad, "final summaries; log: {log}");
     // The job has ended; the endpoint still serves its final values.
     let body = scrape(port).unwrap_or_else(|| panic!("no /metrics while lingering; log: {log}"));
     assert_eq!(
