@@ -15,7 +15,7 @@
 //! decoder, which reports it. The scan never allocates on the common path;
 //! it reads the top-level object by its grammar and walks strings and digit
 //! runs eight bytes at a time (about 100 ns on a 270-byte Nexmark bid, a
-//! quarter of what arrow-json takes to decode it; `docs/kafka.md`). With no
+//! fifth of what arrow-json takes to decode it; `docs/kafka.md`). With no
 //! columns to check it only counts brackets, unless there are too many.
 
 use std::sync::LazyLock;
