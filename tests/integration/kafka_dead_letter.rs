@@ -6,7 +6,6 @@
 //! record larger than the topic takes is sent truncated, saying so.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
@@ -20,7 +19,7 @@ use tinyflow_connectors_kafka::{
 use tinyflow_runtime::{JobRunner, RestartStrategy};
 use tokio::time::Instant;
 
-use crate::kafka_source::{Rec, fresh_topic, runtime_config, sorted, source_config};
+use crate::kafka_source::{Rec, fresh_topic, run_ids, runtime_config, sorted, source_config};
 
 /// `n` records over `partitions`, ids as JSON, except every `every`-th
 /// (from the 5th), which is not JSON: (topic, positions of the bad ones,
@@ -205,41 +204,23 @@ async fn dead_letters_land_once_through_the_restarts_of_a_job() {
     create_topic(&bootstrap(), &dlq, 3).await.unwrap();
     let config = dead_letter_config(&topic, &fresh_topic("group"), &dlq);
 
-    let seen = Arc::new(AtomicU64::new(0));
     let sink = CollectingSink::new();
-    let job = JobBuilder::new(JobId::new("kafka-dead-letters").unwrap());
-    job.source("kafka", 2, KafkaSource::new(config, Format::<Rec>::json()))
-        .map("id", move |r: KafkaRecord<Rec>| {
-            let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
-            if [400, 1_100, 1_900, 2_600].contains(&n) {
-                panic!("injected failure at record {n}");
-            }
-            // Stretch the run over several checkpoint intervals.
-            if n.is_multiple_of(20) {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            r.value.id
-        })
-        .rebalance()
-        .sink("out", 1, sink.clone());
-    let report = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        runtime_config(RestartStrategy::FixedDelay {
+    let attempts = run_ids(
+        config,
+        2,
+        |n| [400, 1_100, 1_900, 2_600].contains(&n),
+        &MemoryCheckpointStore::new(),
+        &sink,
+        RestartStrategy::FixedDelay {
             delay: Duration::from_millis(50),
             max_attempts: 10,
-        }),
+        },
     )
-    .run()
     .await
     .unwrap();
     // Four injected panics: a failed attempt each, or fewer when two fire
     // in both subtasks of one attempt.
-    assert!(
-        (2..=5).contains(&report.attempts),
-        "{} attempts",
-        report.attempts
-    );
+    assert!((2..=5).contains(&attempts), "{attempts} attempts");
     assert_eq!(sorted(sink.committed()), good);
     let letters = dead_letters(&dlq, bad.len());
     assert_eq!(origins(&letters, &topic), bad, "each bad record once");

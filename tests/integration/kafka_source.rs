@@ -82,10 +82,10 @@ pub(crate) fn runtime_config(restart: RestartStrategy) -> RuntimeConfig {
     }
 }
 
-/// Kafka -> (fails at the given record counts, once each) -> ids -> sink.
-async fn run_ids(
-    topic: &str,
-    group: &str,
+/// Kafka with `config` -> (fails at the given record counts, once each)
+/// -> ids -> sink.
+pub(crate) async fn run_ids(
+    config: KafkaSourceConfig,
     parallelism: usize,
     fail_at: impl Fn(u64) -> bool + Send + Sync + 'static,
     store: &MemoryCheckpointStore,
@@ -98,7 +98,7 @@ async fn run_ids(
     job.source(
         "kafka",
         parallelism,
-        KafkaSource::new(source_config(topic, group), Format::<Rec>::json()),
+        KafkaSource::new(config, Format::<Rec>::json()),
     )
     .map("id", move |r: KafkaRecord<Rec>| {
         let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
@@ -134,8 +134,7 @@ async fn replay_from_checkpoint_offsets_has_no_duplicate_and_no_gap() {
     let sink = CollectingSink::new();
     let group = fresh_topic("group");
     let attempts = run_ids(
-        &topic,
-        &group,
+        source_config(&topic, &group),
         2,
         |n| n == 700 || n == 1_900,
         &MemoryCheckpointStore::new(),
@@ -291,8 +290,7 @@ async fn restore_with_another_parallelism_reads_every_partition_once() {
         !fired.swap(true, Ordering::SeqCst)
     };
     let err = run_ids(
-        &topic,
-        &group,
+        source_config(&topic, &group),
         3,
         fail,
         &store,
@@ -312,8 +310,7 @@ async fn restore_with_another_parallelism_reads_every_partition_once() {
     // The same job with two subtasks picks up every partition where the
     // checkpoint left it.
     let attempts = run_ids(
-        &topic,
-        &group,
+        source_config(&topic, &group),
         2,
         |_| false,
         &store,

@@ -31,13 +31,7 @@ struct Rec {
     id: u64,
 }
 
-fn fresh(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{name}-{nanos}")
-}
+use crate::kafka_source::fresh_topic as fresh;
 
 fn rec(id: u64) -> Vec<u8> {
     serde_json::to_vec(&Rec { id }).unwrap()

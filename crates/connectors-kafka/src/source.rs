@@ -106,15 +106,7 @@ fn why(consumer: &KafkaConsumer) -> String {
             break;
         }
     }
-    match &*consumer
-        .context()
-        .last_error
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-    {
-        Some(e) => format!(" (last client error: {e})"),
-        None => String::new(),
-    }
+    last_client_error(consumer)
 }
 
 impl ClientContext for SourceContext {
