@@ -305,10 +305,12 @@ impl KafkaSourceConfig {
         Ok(all)
     }
 
+    /// Where each of `owned` starts by `start`.
     fn start_offsets(
         &self,
         consumer: &KafkaConsumer,
         name: &str,
+        start: &StartPosition,
         owned: &[Partition],
     ) -> StreamResult<BTreeMap<Partition, i64>> {
         let timeout = self.request_timeout;
@@ -324,7 +326,7 @@ impl KafkaSourceConfig {
             })
         };
         let mut out = BTreeMap::new();
-        match &self.start {
+        match start {
             StartPosition::Earliest => {
                 for p in owned {
                     out.insert(p.clone(), watermarks(p)?.0);
@@ -350,14 +352,14 @@ impl KafkaSourceConfig {
             StartPosition::Committed | StartPosition::Timestamp(_) => {
                 let mut tpl = TopicPartitionList::new();
                 for (t, p) in owned {
-                    let offset = match self.start {
-                        StartPosition::Timestamp(ts) => Offset::Offset(ts),
+                    let offset = match start {
+                        StartPosition::Timestamp(ts) => Offset::Offset(*ts),
                         _ => Offset::Invalid,
                     };
                     tpl.add_partition_offset(t, *p, offset)
                         .map_err(|e| external(name, "building the partition list", e, false))?;
                 }
-                let found = if let StartPosition::Timestamp(_) = self.start {
+                let found = if let StartPosition::Timestamp(_) = start {
                     consumer.offsets_for_times(tpl, timeout)
                 } else {
                     consumer.committed_offsets(tpl, timeout)
@@ -374,7 +376,7 @@ impl KafkaSourceConfig {
                     // end for a timestamp, at the beginning for a commit.
                     let fallback = || -> StreamResult<i64> {
                         let (low, high) = watermarks(p)?;
-                        Ok(if matches!(self.start, StartPosition::Timestamp(_)) {
+                        Ok(if matches!(start, StartPosition::Timestamp(_)) {
                             high
                         } else {
                             low
@@ -558,13 +560,14 @@ pub(crate) fn open<D: Decode, V>(
         .filter(|p| !checkpointed.contains_key(*p))
         .cloned()
         .partition(|(t, _)| checkpointed.keys().any(|(known, _)| known == t));
-    let mut positions = config.start_offsets(&consumer, &name, &fresh)?;
+    let mut positions = config.start_offsets(&consumer, &name, &config.start, &fresh)?;
     if !added.is_empty() {
-        let earliest = KafkaSourceConfig {
-            start: StartPosition::Earliest,
-            ..config.clone()
-        };
-        positions.extend(earliest.start_offsets(&consumer, &name, &added)?);
+        positions.extend(config.start_offsets(
+            &consumer,
+            &name,
+            &StartPosition::Earliest,
+            &added,
+        )?);
         tracing::info!(
             source = %name,
             partitions = ?added.iter().map(|(t, p)| format!("{t}/{p}")).collect::<Vec<_>>(),
@@ -897,6 +900,8 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
         if let Some(at) = self.retry.until {
             tokio::time::sleep_until(at).await;
             self.retry.until = None;
+            // The source's own wait, not the job holding it back.
+            self.progress.waited(Instant::now().duration_since(now));
         }
         if let Some(new) = self.discovery.poll(&self.bad.name).await? {
             self.assign_new(new)?;
@@ -1193,6 +1198,9 @@ struct Progress {
     /// When any partition last moved.
     any_moved: Instant,
     last_call: Instant,
+    /// What the source itself waited since `last_call` (retry pauses):
+    /// not time the job held it back.
+    own_wait: Duration,
     next_check: Instant,
 }
 
@@ -1213,13 +1221,16 @@ impl Progress {
             reported: BTreeSet::new(),
             any_moved: now,
             last_call: now,
+            own_wait: Duration::ZERO,
             next_check: now + STALL_CHECK_EVERY,
         }
     }
 
     /// A read starts: time the job held the source back does not count.
     fn called(&mut self, now: Instant) {
-        let gap = now.duration_since(self.last_call);
+        let gap = now
+            .duration_since(self.last_call)
+            .saturating_sub(std::mem::take(&mut self.own_wait));
         if gap > HELD_BACK {
             for (_, since) in self.moved.values_mut() {
                 *since += gap;
@@ -1227,6 +1238,11 @@ impl Progress {
             self.any_moved += gap;
         }
         self.last_call = now;
+    }
+
+    /// The source paused `d` on its own (after consumer errors).
+    fn waited(&mut self, d: Duration) {
+        self.own_wait += d;
     }
 
     fn due(&self, now: Instant) -> bool {
@@ -1399,11 +1415,7 @@ impl Discovery {
                 .cloned()
                 .collect();
             let new = if adds && !new.is_empty() {
-                KafkaSourceConfig {
-                    start: StartPosition::Earliest,
-                    ..config.clone()
-                }
-                .start_offsets(&consumer, &name, &new)?
+                config.start_offsets(&consumer, &name, &StartPosition::Earliest, &new)?
             } else {
                 BTreeMap::new()
             };
@@ -1606,6 +1618,35 @@ mod tests {
                 .unwrap(),
             0
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_pauses_count_towards_a_stall() {
+        let p: Partition = (Arc::from("t"), 0);
+        let positions = BTreeMap::from([(p.clone(), 10)]);
+        let ends = HashMap::from([(("t".to_owned(), 0), (20, 20))]);
+        let start = Instant::now();
+        let mut progress = Progress::new(
+            &positions,
+            start,
+            Duration::from_secs(2),
+            Some(Duration::from_secs(5)),
+        );
+        // Errors in a row: each read pauses 1 s on its own, so reads come
+        // more than HELD_BACK apart, yet the job held nothing back.
+        let mut failed = None;
+        for call in 1..=10u64 {
+            let now = start + Duration::from_millis(1_050 * call);
+            progress.called(now);
+            if let Err(e) = progress.check("src", &positions, None, &ends, now) {
+                failed = Some((call, e));
+                break;
+            }
+            progress.waited(Duration::from_secs(1));
+        }
+        let (call, err) = failed.expect("a source pausing on errors while behind fails");
+        assert!(call <= 6, "failed only at read {call}");
+        assert!(err.to_string().contains("t/0@10"), "{err}");
     }
 
     #[test]
