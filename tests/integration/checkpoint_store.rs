@@ -95,7 +95,10 @@ fn dir_names(dir: &Path) -> Result<Vec<String>> {
     let mut names = Vec::new();
     for entry in fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let name = entry?.file_name();
-        names.push(name.to_str().context("non UTF-8 file name")?.to_owned());
+        let name = name.to_str().context("non UTF-8 file name")?;
+        if name != tinyflow_checkpoint::LOCK_FILE {
+            names.push(name.to_owned());
+        }
     }
     names.sort();
     Ok(names)
@@ -555,5 +558,36 @@ async fn persist_of_another_jobs_checkpoint_is_rejected() -> Result<()> {
     assert_eq!(dir_names(tmp.path())?, Vec::<String>::new());
     assert_eq!(store.latest().await?, None);
     assert_eq!(store.highest_id().await?, None);
+    Ok(())
+}
+
+/// One directory, one run: a second store on the directory is turned away
+/// for good (not retryable, so a runner does not restart into it), naming
+/// who holds it; once the first is gone the directory opens again.
+#[tokio::test]
+async fn a_second_run_on_the_same_directory_is_turned_away_naming_the_holder() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let job_id = job("locked");
+    assert_eq!(LocalDirStore::holder(tmp.path())?, None);
+    let first = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
+    let holder = LocalDirStore::holder(tmp.path())?.context("no holder while open")?;
+    ensure!(
+        holder.contains(&format!("pid {}", std::process::id())),
+        "{holder}"
+    );
+    let Err(err) = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await else {
+        bail!("a second store opened the locked directory");
+    };
+    ensure!(matches!(err, StreamError::Fenced { .. }), "{err:?}");
+    ensure!(!err.is_retryable(), "{err}");
+    let text = err.to_string();
+    ensure!(
+        text.contains("in use by another run") && text.contains(&holder),
+        "{text}"
+    );
+    drop(first);
+    assert_eq!(LocalDirStore::holder(tmp.path())?, None);
+    let again = LocalDirStore::open(tmp.path(), job_id.clone(), 3).await?;
+    again.persist(&small(&job_id, 1)).await?;
     Ok(())
 }

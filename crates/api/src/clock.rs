@@ -27,3 +27,16 @@ impl WallClock for SystemWallClock {
             .unwrap_or(0)
     }
 }
+
+/// This process, as tools and other runs should see it: `pid N on HOST`.
+/// For lock holders and sink epochs, so that an operator can find a run
+/// that holds a job.
+pub fn this_process() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "an unknown host".to_owned());
+    format!("pid {} on {host}", std::process::id())
+}

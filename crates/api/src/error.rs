@@ -129,6 +129,30 @@ pub enum StreamError {
         /// What is wrong.
         message: String,
     },
+    /// Another run of the same job or sink took over: this run must stop
+    /// for good (a restart would only be fenced again, or fence the newer
+    /// run).
+    #[error("{operator}: fenced: {message}")]
+    Fenced {
+        /// The sink or store that found out.
+        operator: String,
+        /// Who took over (the newer epoch, the holder of a lock) and what
+        /// became of this run's data.
+        message: String,
+    },
+    /// The job's state and the system it writes disagree (a dropped or
+    /// replaced table, a table restored from an older backup, data files
+    /// that are gone): going on would write a wrong table, so the job stops
+    /// until an operator decides (`tinyflow inspect`, `tinyflow reset`).
+    #[error("{operator}: the job's state disagrees with {target}: {message}")]
+    StateMismatch {
+        /// The sink.
+        operator: String,
+        /// What it writes, e.g. `table db.bids`.
+        target: String,
+        /// What differs, and the ways out.
+        message: String,
+    },
     /// A task failed.
     #[error("{task} failed: {message}")]
     TaskFailed {
@@ -155,6 +179,7 @@ impl StreamError {
             | StreamError::Graph { .. }
             | StreamError::BadRecord { .. } => false,
             StreamError::External { retryable, .. } => *retryable,
+            StreamError::Fenced { .. } | StreamError::StateMismatch { .. } => false,
             StreamError::Corrupt { .. }
             | StreamError::Config { .. }
             | StreamError::TaskFailed { .. } => false,

@@ -61,7 +61,7 @@ pub enum Error {
     /// Restoring from it would commit replayed records a second time.
     #[error(
         "newest readable checkpoint is {restored} but the sinks already committed checkpoint {committed}: \
-         restoring would duplicate data; recover the missing checkpoint files or reset the job's sinks deliberately"
+         restoring would duplicate data (newer checkpoint files were lost, or another run of the job committed them); `tinyflow inspect JOB.toml` shows both sides, and `tinyflow reset JOB.toml` starts the job again from what the table holds"
     )]
     RestoreBehindSinks {
         /// The checkpoint the store could offer.

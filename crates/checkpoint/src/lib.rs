@@ -57,4 +57,4 @@ pub use driver::{
     CoordinatorDriver, CoordinatorGone, CoordinatorHandle, DriverConfig, Outcome, Restored,
 };
 pub use error::{Error, LossCause, Result};
-pub use store::LocalDirStore;
+pub use store::{LOCK_FILE, LocalDirStore};

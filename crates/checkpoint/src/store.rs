@@ -9,7 +9,13 @@
 //! Each file carries a header (magic, format version, payload length, CRC-32
 //! of the payload). Reading the newest checkpoint skips a truncated or
 //! corrupt file with a warning and falls back to the previous one. Only the
-//! newest `retain` files are kept. One job, one directory, one writer.
+//! newest `retain` files are kept. One job, one directory, one writer: an
+//! open store holds an exclusive lock on `<dir>/.lock` (`flock`, released
+//! by the kernel when the process dies, however it dies), so a second
+//! process of the job is turned away at start with a [`StreamError::Fenced`]
+//! that names the holder, rather than writing checkpoints under the same
+//! ids. The lock is local: a directory on NFS, or a job run on two machines
+//! with a directory each, is fenced by its sinks (the Iceberg sink's epoch).
 //!
 //! File layout, all integers little-endian:
 //!
@@ -50,7 +56,12 @@ struct Inner {
     dir: PathBuf,
     job_id: JobId,
     retain: usize,
+    /// The open lock file; its lock lasts as long as the store.
+    lock: std::sync::OnceLock<File>,
 }
+
+/// The lock file's name in the checkpoint directory.
+pub const LOCK_FILE: &str = ".lock";
 
 impl LocalDirStore {
     /// Opens (creating if needed) the store for `job_id` in `dir`, keeping
@@ -67,10 +78,29 @@ impl LocalDirStore {
             dir: dir.into(),
             job_id,
             retain,
+            lock: std::sync::OnceLock::new(),
         });
         let opened = Arc::clone(&inner);
         blocking(move || opened.open()).await?;
         Ok(LocalDirStore { inner })
+    }
+
+    /// Who holds the directory's lock now (`pid N on HOST since
+    /// UNIX-SECONDS`), or
+    /// `None` when no process does; for tools that must not act while a
+    /// run holds the job (`tinyflow reset`), and for `tinyflow inspect`.
+    pub fn holder(dir: &Path) -> io::Result<Option<String>> {
+        let path = dir.join(LOCK_FILE);
+        let file = match fs::OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        match file.try_lock() {
+            Ok(()) => Ok(None),
+            Err(fs::TryLockError::WouldBlock) => Ok(Some(read_holder(&path))),
+            Err(fs::TryLockError::Error(e)) => Err(e),
+        }
     }
 
     /// The directory.
@@ -82,6 +112,47 @@ impl LocalDirStore {
     pub async fn list(&self) -> StreamResult<Vec<CheckpointId>> {
         let inner = Arc::clone(&self.inner);
         blocking(move || inner.list()).await
+    }
+
+    /// The newest readable checkpoint of `job_id` in `dir`, read without
+    /// taking the directory's lock or changing anything in it (for tools
+    /// that only look while a run may hold the directory: `tinyflow
+    /// inspect`).
+    pub fn peek_latest(dir: &Path, job_id: JobId) -> StreamResult<Option<CompletedCheckpoint>> {
+        if !dir.is_dir() {
+            return Ok(None);
+        }
+        let inner = Inner {
+            dir: dir.to_owned(),
+            job_id,
+            retain: usize::MAX,
+            lock: std::sync::OnceLock::new(),
+        };
+        inner.latest()
+    }
+
+    /// Moves every checkpoint file into the subdirectory `name` (created),
+    /// for `tinyflow reset`: nothing is deleted, and the next run starts
+    /// without a checkpoint. Returns how many files moved.
+    pub async fn set_aside(&self, name: &str) -> StreamResult<usize> {
+        let inner = Arc::clone(&self.inner);
+        let name = name.to_owned();
+        blocking(move || {
+            let to = inner.dir.join(&name);
+            fs::create_dir_all(&to).map_err(io_err("creating", &to))?;
+            let mut moved = 0;
+            for id in inner.list()? {
+                let from = inner.dir.join(file_name(id));
+                let target = to.join(file_name(id));
+                fs::rename(&from, &target)
+                    .map_err(io_err("moving a checkpoint file to", &target))?;
+                moved += 1;
+            }
+            sync_dir(&to).map_err(io_err("syncing", &to))?;
+            sync_dir(&inner.dir).map_err(io_err("syncing checkpoint directory", &inner.dir))?;
+            Ok(moved)
+        })
+        .await
     }
 
     /// The path of checkpoint `id`'s file.
@@ -127,6 +198,7 @@ impl Inner {
                     .map_err(io_err("syncing parent of checkpoint directory", parent))?;
             }
         }
+        self.lock()?;
         for entry in read_dir(&self.dir)? {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
@@ -136,6 +208,52 @@ impl Inner {
                 fs::remove_file(&path).map_err(io_err("removing stale temporary file", &path))?;
             }
         }
+        Ok(())
+    }
+
+    /// Takes the directory's lock, or says who holds it.
+    fn lock(&self) -> StreamResult<()> {
+        let path = self.dir.join(LOCK_FILE);
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_err("opening the lock file", &path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(StreamError::Fenced {
+                    operator: "checkpoint store".to_owned(),
+                    message: format!(
+                        "{} is in use by another run of job {} ({}): one directory, one run; stop that run first, or give this one its own checkpoint.dir",
+                        self.dir.display(),
+                        self.job_id,
+                        read_holder(&path)
+                    ),
+                });
+            }
+            Err(fs::TryLockError::Error(e)) => {
+                return Err(io_err("locking", &path)(e));
+            }
+        }
+        // Who holds it, for the message a second run gets. Best effort:
+        // the lock itself is what counts.
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let holder = format!("{} since {since}", tinyflow_api::this_process());
+        let wrote = file
+            .set_len(0)
+            .and_then(|()| io::Seek::rewind(&mut file))
+            .and_then(|()| file.write_all(holder.as_bytes()));
+        if let Err(e) = wrote {
+            tracing::debug!(path = %path.display(), error = %e, "could not note the lock's holder");
+        }
+        // Only `open` calls this, once per store.
+        let _ = self.lock.set(file);
         Ok(())
     }
 
@@ -252,6 +370,14 @@ fn job_mismatch(path: &Path, expected: &JobId, found: &JobId) -> StreamError {
             "{} belongs to job {found:?}, not {expected:?}: give each job its own checkpoint directory",
             path.display()
         ),
+    }
+}
+
+/// What the holder of a lock file wrote into it.
+fn read_holder(path: &Path) -> String {
+    match fs::read_to_string(path) {
+        Ok(text) if !text.trim().is_empty() => text.trim().to_owned(),
+        _ => "holder unknown".to_owned(),
     }
 }
 
