@@ -33,20 +33,20 @@ use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression,
     DataFileMeta, Fault, FaultHook, IcebergSink, IcebergSinkConfig, PartitionField,
-    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id,
-    load_table, open_catalog, scan_longs,
+    SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, SUMMARY_SINK_ID,
+    SUMMARY_SOURCE_POSITIONS, TableSpec, committed_id, load_table, open_catalog, scan_longs,
 };
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 use tinyflow_tests::ms;
 
-const NS: &str = "db";
-const TABLE: &str = "events";
+pub(crate) const NS: &str = "db";
+pub(crate) const TABLE: &str = "events";
 /// 2026-01-01T00:00:00Z in microseconds.
 const T0: i64 = 1_767_225_600_000_000;
 const HOUR: i64 = 3_600_000_000;
 
 /// Every type the sink maps; partitioned by identity, day and bucket.
-fn table_spec() -> TableSpec {
+pub(crate) fn table_spec() -> TableSpec {
     TableSpec {
         columns: vec![
             Column::required("id", ColumnType::Long),
@@ -73,7 +73,7 @@ fn table_spec() -> TableSpec {
 }
 
 /// Rows `ids`: part = id % 3, ts = T0 + (id % 48) hours (two days).
-fn batch(ids: std::ops::Range<i64>) -> RecordBatch {
+pub(crate) fn batch(ids: std::ops::Range<i64>) -> RecordBatch {
     let ids: Vec<i64> = ids.collect();
     let amount: PrimitiveArray<Decimal128Type> =
         Decimal128Array::from(ids.iter().map(|i| i128::from(*i) * 101).collect::<Vec<_>>())
@@ -127,18 +127,18 @@ fn batch(ids: std::ops::Range<i64>) -> RecordBatch {
     .unwrap()
 }
 
-fn config(dir: &Path, sink_id: &str) -> IcebergSinkConfig {
+pub(crate) fn config(dir: &Path, sink_id: &str) -> IcebergSinkConfig {
     config_on(CatalogConfig::sqlite(dir), sink_id)
 }
 
-fn config_on(catalog: CatalogConfig, sink_id: &str) -> IcebergSinkConfig {
+pub(crate) fn config_on(catalog: CatalogConfig, sink_id: &str) -> IcebergSinkConfig {
     let mut c = IcebergSinkConfig::new(catalog, NS, TABLE, sink_id).create_if_missing(table_spec());
     c.retry_backoff = ms(10);
     c.orphan_min_age = None;
     c
 }
 
-fn ctx(name: &str, parallelism: usize) -> OperatorContext {
+pub(crate) fn ctx(name: &str, parallelism: usize) -> OperatorContext {
     OperatorContext {
         name: name.to_owned(),
         subtask: 0,
@@ -150,28 +150,28 @@ fn ctx(name: &str, parallelism: usize) -> OperatorContext {
 /// A fault hook that answers `fault` at `step`, once, and records every
 /// step it saw.
 #[derive(Clone, Default)]
-struct Faults {
+pub(crate) struct Faults {
     plan: Arc<Mutex<Vec<(CommitStep, Fault)>>>,
     seen: Arc<Mutex<Vec<CommitStep>>>,
 }
 
 impl Faults {
-    fn at(&self, step: CommitStep, fault: Fault) {
+    pub(crate) fn at(&self, step: CommitStep, fault: Fault) {
         self.plan.lock().unwrap().push((step, fault));
     }
 
-    fn seen(&self) -> Vec<CommitStep> {
+    pub(crate) fn seen(&self) -> Vec<CommitStep> {
         self.seen.lock().unwrap().clone()
     }
 
     /// `config(dir, sink_id)` with this hook.
-    fn config(&self, dir: &Path, sink_id: &str) -> IcebergSinkConfig {
+    pub(crate) fn config(&self, dir: &Path, sink_id: &str) -> IcebergSinkConfig {
         let mut c = config(dir, sink_id);
         c.fault_hook = Some(self.hook());
         c
     }
 
-    fn hook(&self) -> FaultHook {
+    pub(crate) fn hook(&self) -> FaultHook {
         let me = self.clone();
         Arc::new(move |step| {
             me.seen.lock().unwrap().push(step);
@@ -187,16 +187,20 @@ impl Faults {
 
 /// Drives one sink's writer and committer by hand, the way the runtime
 /// does, keeping the committer's state per checkpoint.
-struct Driver {
-    sink: IcebergSink,
-    writer: Box<dyn Writer<RecordBatch, DataFileMeta>>,
-    committer: Box<dyn Sink<DataFileMeta>>,
-    states: BTreeMap<u64, Vec<u8>>,
+pub(crate) struct Driver {
+    pub(crate) sink: IcebergSink,
+    pub(crate) writer: Box<dyn Writer<RecordBatch, DataFileMeta>>,
+    pub(crate) committer: Box<dyn Sink<DataFileMeta>>,
+    pub(crate) states: BTreeMap<u64, Vec<u8>>,
 }
 
 impl Driver {
-    async fn new(config: IcebergSinkConfig) -> Self {
-        let sink = IcebergSink::new(config).unwrap();
+    pub(crate) async fn new(config: IcebergSinkConfig) -> Self {
+        Driver::with_sink(IcebergSink::new(config).unwrap()).await
+    }
+
+    /// A driver of `sink` (a run that may have claimed the sink already).
+    pub(crate) async fn with_sink(sink: IcebergSink) -> Self {
         let writer = sink.writers().create(&ctx("w", 1)).await.unwrap();
         let committer = sink.committer().create(&ctx("c", 1), None).await.unwrap();
         Driver {
@@ -209,12 +213,12 @@ impl Driver {
 
     /// Writes `ids`, then barrier `id`: the writer's files go to the
     /// committer, whose state is kept as checkpoint `id`'s.
-    async fn checkpoint(&mut self, id: u64, ids: std::ops::Range<i64>) {
+    pub(crate) async fn checkpoint(&mut self, id: u64, ids: std::ops::Range<i64>) {
         self.checkpoint_in(id, ids, usize::MAX).await;
     }
 
     /// As `checkpoint`, written in batches of `rows` rows.
-    async fn checkpoint_in(&mut self, id: u64, ids: std::ops::Range<i64>, rows: usize) {
+    pub(crate) async fn checkpoint_in(&mut self, id: u64, ids: std::ops::Range<i64>, rows: usize) {
         let all: Vec<i64> = ids.collect();
         for chunk in all.chunks(rows.min(all.len()).max(1)) {
             let (first, last) = (chunk[0], chunk[chunk.len() - 1]);
@@ -234,12 +238,17 @@ impl Driver {
         self.states.insert(id, state);
     }
 
-    async fn commit(&mut self, id: u64) -> tinyflow_api::StreamResult<()> {
+    pub(crate) async fn commit(&mut self, id: u64) -> tinyflow_api::StreamResult<()> {
         self.committer.commit(CheckpointId::new(id)).await
     }
 
     /// The process died: a new committer restored from checkpoint `id`.
-    async fn restore(&mut self, id: u64) {
+    pub(crate) async fn restore(&mut self, id: u64) {
+        self.try_restore(id).await.unwrap();
+    }
+
+    /// As `restore`, which the sink may refuse.
+    pub(crate) async fn try_restore(&mut self, id: u64) -> tinyflow_api::StreamResult<()> {
         let states = [self.states[&id].clone()];
         self.committer = self
             .sink
@@ -251,29 +260,38 @@ impl Driver {
                     states: &states,
                 }),
             )
-            .await
-            .unwrap();
-        self.writer = self.sink.writers().create(&ctx("w", 1)).await.unwrap();
+            .await?;
+        self.writer = self.sink.writers().create(&ctx("w", 1)).await?;
+        Ok(())
     }
 
-    async fn table(&self) -> iceberg::table::Table {
+    pub(crate) async fn table(&self) -> iceberg::table::Table {
         self.sink.load_table().await.unwrap()
     }
 }
 
 /// Every id in the table, sorted, read with iceberg-rust's scan.
-async fn ids(table: &iceberg::table::Table) -> Vec<i64> {
+pub(crate) async fn ids(table: &iceberg::table::Table) -> Vec<i64> {
     let mut ids = scan_longs(table, "id", None).await.unwrap();
     ids.sort_unstable();
     ids
 }
 
-fn range(r: std::ops::Range<i64>) -> Vec<i64> {
+pub(crate) fn range(r: std::ops::Range<i64>) -> Vec<i64> {
     r.collect()
 }
 
-fn snapshots(table: &iceberg::table::Table) -> usize {
-    table.metadata().snapshots().len()
+/// Snapshots that commit data (a run's claim of a sink adds one without).
+pub(crate) fn snapshots(table: &iceberg::table::Table) -> usize {
+    table
+        .metadata()
+        .snapshots()
+        .filter(|s| {
+            s.summary()
+                .additional_properties
+                .contains_key(SUMMARY_SINK_ID)
+        })
+        .count()
 }
 
 #[tokio::test]
@@ -528,7 +546,12 @@ async fn two_sinks_with_their_own_ids_share_a_table_each_exactly_once() {
     // older checkpoint whose pending work holds checkpoint 1 and 2 files.
     b.restore(1).await;
     a.restore(2).await;
-    a.restore(1).await;
+    // An older checkpoint than the table holds is refused (the runtime's
+    // coordinator refuses it first; the committer does not rely on that).
+    assert!(matches!(
+        a.try_restore(1).await,
+        Err(tinyflow_api::StreamError::StateMismatch { .. })
+    ));
     let table = a.table().await;
     let mut want = range(0..80);
     want.extend(500..520);
@@ -575,7 +598,7 @@ async fn snapshot_expiry_before_recovery_does_not_break_dedupe() {
         .map(|s| s.snapshot_id())
         .filter(|id| *id != current)
         .collect();
-    assert_eq!(old.len(), 1);
+    assert_eq!(old.len(), 3, "a's claim, a's commit, b's claim");
     let tx = Transaction::new(&table);
     let tx = tx
         .expire_snapshots()
@@ -643,8 +666,20 @@ async fn retain_snapshots_expires_the_history_and_dedupe_still_holds() {
     let table = d.table().await;
     assert!(snapshots(&table) <= 4, "{} snapshots", snapshots(&table));
     assert_eq!(ids(&table).await, range(0..70));
-    // Restoring an old checkpoint whose snapshot is gone commits nothing again.
-    d.restore(2).await;
+    // Restoring an old checkpoint (whose snapshot is gone) is refused: its
+    // sources would read again what checkpoints 3 to 7 committed.
+    let err = d.try_restore(2).await.unwrap_err();
+    assert!(
+        matches!(err, tinyflow_api::StreamError::StateMismatch { .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("holds checkpoint 7") && text.contains("tinyflow reset"),
+        "{text}"
+    );
+    // The newest restores and commits nothing again.
+    d.restore(7).await;
     assert_eq!(ids(&d.table().await).await, range(0..70));
 }
 
@@ -1323,7 +1358,18 @@ async fn jobs_with_failures_then_a_wiped_store(catalog: CatalogConfig) {
     let snaps = py["snapshots"].as_array().unwrap();
     assert!(!snaps.is_empty());
     let mut last = 0u64;
+    let mut epoch = 0u64;
     for s in snaps {
+        let epoch_of =
+            |s: &serde_json::Value| -> u64 { s[SUMMARY_EPOCH].as_str().unwrap().parse().unwrap() };
+        if s.get(SUMMARY_EPOCH_CLAIM).is_some() {
+            // A run's claim: epochs grow along the history.
+            assert!(epoch_of(s) > epoch, "epochs increase: {py}");
+            epoch = epoch_of(s);
+            continue;
+        }
+        // Data comes only from the run holding the newest claim.
+        assert_eq!(epoch_of(s), epoch, "a data commit of another epoch: {py}");
         assert_eq!(s[SUMMARY_SINK_ID], "e2e", "{s}");
         let id: u64 = s[SUMMARY_CHECKPOINT_ID].as_str().unwrap().parse().unwrap();
         assert!(
@@ -1337,6 +1383,7 @@ async fn jobs_with_failures_then_a_wiped_store(catalog: CatalogConfig) {
     // the end of its 2.
     let positions: Vec<serde_json::Value> = snaps
         .iter()
+        .filter(|s| s.get(SUMMARY_EPOCH_CLAIM).is_none())
         .map(|s| {
             let json = s[SUMMARY_SOURCE_POSITIONS]
                 .as_str()
@@ -1360,6 +1407,8 @@ async fn jobs_with_failures_then_a_wiped_store(catalog: CatalogConfig) {
     )
     .unwrap();
     assert_eq!(property, at(2, 10));
+    // Two runs, two claims: the second run owns the sink.
+    assert_eq!(py["properties"]["tinyflow.sink.e2e.epoch"], "2", "{py}");
     assert_eq!(
         py["properties"]["tinyflow.sink.e2e.checkpoint-id"]
             .as_str()

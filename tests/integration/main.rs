@@ -13,6 +13,10 @@
 //! - `iceberg_sink`: the Iceberg sink on a sqlite catalog: crashes at every step of the commit,
 //!   two sinks on one table, snapshot expiry, cadence, open-file cap, orphans; whole jobs
 //!   with failures, read back by pyiceberg, on sqlite and on PostgreSQL.
+//! - `iceberg_identity`: the table is the truth: restored checkpoints that disagree with
+//!   their table (dropped, created again, lost with the warehouse, restored from an older
+//!   backup, data files deleted) are refused; two live runs of one sink, the newer fences
+//!   the older, also inside a commit, and a property test of interleaved claims and commits.
 //! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
 //!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
 //! - `kafka_dead_letter`: the dead-letter topic exactly once across crashes and restarts
@@ -37,6 +41,7 @@ mod checkpoint_driver;
 mod checkpoint_flaws;
 mod checkpoint_props;
 mod checkpoint_store;
+mod iceberg_identity;
 mod iceberg_sink;
 mod kafka_dead_letter;
 mod kafka_source;

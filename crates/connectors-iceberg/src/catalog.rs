@@ -10,6 +10,7 @@ use futures_util::future::BoxFuture;
 use iceberg::io::{FileIO, FileIOBuilder, StorageFactory};
 use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
 use iceberg::table::Table;
+use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use iceberg::{
     Catalog, CatalogBuilder, ErrorKind, Namespace, NamespaceIdent, TableCommit, TableCreation,
     TableIdent,
@@ -40,6 +41,42 @@ pub const SUMMARY_WATERMARK: &str = "tinyflow.watermark";
 /// offset>", ...}, ...}` for Kafka sources. The committed data holds every
 /// record before these positions (and none after, for this sink).
 pub const SUMMARY_SOURCE_POSITIONS: &str = "tinyflow.source-positions";
+/// Snapshot summary key: the epoch of the run that made the snapshot (its
+/// claim, or a commit of its data).
+pub const SUMMARY_EPOCH: &str = "tinyflow.epoch";
+/// Snapshot summary key of an epoch claim: the sink that claimed. A claim's
+/// snapshot adds no files.
+pub const SUMMARY_EPOCH_CLAIM: &str = "tinyflow.epoch-claim";
+
+/// The table property holding the epoch of the run that owns `sink_id`.
+pub fn epoch_property(sink_id: &str) -> String {
+    format!("tinyflow.sink.{sink_id}.epoch")
+}
+
+/// The table property saying which process claimed `sink_id`'s epoch, and
+/// when (`pid N on HOST at UNIX-SECONDS`).
+pub fn epoch_owner_property(sink_id: &str) -> String {
+    format!("tinyflow.sink.{sink_id}.epoch-owner")
+}
+
+/// The epoch of the run that owns `sink_id` in `table` (0: never claimed).
+pub fn table_epoch(table: &Table, sink_id: &str) -> u64 {
+    table
+        .metadata()
+        .properties()
+        .get(&epoch_property(sink_id))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Who claimed the epoch of `sink_id` in `table`, if anyone.
+pub fn epoch_owner(table: &Table, sink_id: &str) -> Option<String> {
+    table
+        .metadata()
+        .properties()
+        .get(&epoch_owner_property(sink_id))
+        .cloned()
+}
 
 pub(crate) fn external(
     operator: &str,
@@ -196,7 +233,11 @@ pub(crate) struct SinkTable {
     pub(crate) config: IcebergSinkConfig,
     pub(crate) ident: TableIdent,
     catalog: OnceCell<Arc<dyn Catalog>>,
-    ensured: OnceCell<()>,
+    /// The table's uuid once found or created (and whether this process
+    /// created it).
+    ensured: OnceCell<(uuid::Uuid, bool)>,
+    /// This run's claim of the sink (one per `SinkTable`, that is per run).
+    claimed: OnceCell<Claim>,
     /// Data files the writers closed whose syncs the committer has not yet
     /// waited for (local warehouses only).
     pub(crate) syncs: Arc<PendingSyncs>,
@@ -221,6 +262,7 @@ impl SinkTable {
             ident,
             catalog: OnceCell::new(),
             ensured: OnceCell::new(),
+            claimed: OnceCell::new(),
             syncs: Arc::default(),
             retired: Mutex::default(),
         })
@@ -291,19 +333,110 @@ impl SinkTable {
     /// missing and a spec is declared, and checked against the spec.
     pub(crate) async fn load(&self) -> StreamResult<Table> {
         let catalog = self.catalog().await?;
-        self.ensured
+        let (uuid, _) = *self
+            .ensured
             .get_or_try_init(|| async {
-                let table = ensure_table(catalog.as_ref(), &self.ident, &self.config).await?;
+                let (table, created) =
+                    ensure_table(catalog.as_ref(), &self.ident, &self.config).await?;
                 if let Some(spec) = &self.config.table_spec {
                     check_fits(spec, table.metadata().current_schema(), &self.table_name())?;
                 }
-                Ok::<(), StreamError>(())
+                Ok::<_, StreamError>((table.metadata().uuid(), created))
             })
             .await?;
-        catalog
-            .load_table(&self.ident)
-            .await
-            .map_err(|e| external(&self.label(), "loading the table", &e))
+        match catalog.load_table(&self.ident).await {
+            Ok(table) => Ok(table),
+            // Found or created at start, gone now: not something a retry
+            // mends, and not something to create again behind the job's back.
+            Err(e) if e.kind() == ErrorKind::TableNotFound => Err(StreamError::StateMismatch {
+                operator: self.label(),
+                target: format!("table {}", self.table_name()),
+                message: format!(
+                    "the table (uuid {uuid}) was dropped while the job ran: {e}; a new run creates it again (when its schema is declared) and refuses the checkpoints written for the old one"
+                ),
+            }),
+            Err(e) => Err(external(&self.label(), "loading the table", &e)),
+        }
+    }
+
+    /// Whether this process created the table (it was missing at start).
+    pub(crate) fn created_here(&self) -> bool {
+        self.ensured.get().is_some_and(|(_, created)| *created)
+    }
+
+    /// This run's claim of the sink, made on first use: a commit that
+    /// raises the table's `tinyflow.sink.<id>.epoch` and adds a snapshot
+    /// without files (so that any commit built on the table before it
+    /// conflicts: a property alone would not move the branch, and Iceberg
+    /// has no requirement on properties). From then on, commits of older
+    /// runs of the sink are refused inside their commit attempts.
+    pub(crate) async fn claim(&self) -> StreamResult<&Claim> {
+        self.claimed.get_or_try_init(|| self.claim_epoch()).await
+    }
+
+    async fn claim_epoch(&self) -> StreamResult<Claim> {
+        let label = self.label();
+        let sink = &self.config.sink_id;
+        // Two runs claiming at once: the loser sees the winner's epoch on
+        // its refresh and claims above it (the newest claim wins).
+        for _ in 0..10 {
+            let table = self.load().await?;
+            let current = table_epoch(&table, sink);
+            let mine = current + 1;
+            let uuid = table.metadata().uuid().to_string();
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            let owner = format!("{} at {at}", tinyflow_api::this_process());
+            let tx = Transaction::new(&table);
+            let append = tx.fast_append().set_snapshot_properties(HashMap::from([
+                (SUMMARY_EPOCH_CLAIM.to_owned(), sink.clone()),
+                (SUMMARY_EPOCH.to_owned(), mine.to_string()),
+            ]));
+            let tx = append
+                .apply(tx)
+                .map_err(|e| external(&label, "building the epoch claim", &e))?;
+            let tx = tx
+                .update_table_properties()
+                .set(epoch_property(sink), mine.to_string())
+                .set(epoch_owner_property(sink), owner.clone())
+                .apply(tx)
+                .map_err(|e| external(&label, "building the epoch claim", &e))?;
+            let catalog = self.catalog().await?;
+            let guard = GuardedCatalog::new(catalog.as_ref(), sink, None, None).expecting(Expect {
+                uuid: uuid.clone(),
+                epoch: current,
+            });
+            match tx.commit(&guard).await {
+                Ok(_) => {
+                    tracing::info!(sink = %label, epoch = mine, previous = current, %owner, "claimed the sink: commits of older runs are refused from now on");
+                    return Ok(Claim { epoch: mine, uuid });
+                }
+                Err(e) => match guard.observed() {
+                    Some(Observed::Fenced { .. }) => {
+                        tracing::info!(sink = %label, epoch = mine, "another run claimed the sink at the same time; claiming above it");
+                    }
+                    Some(Observed::Replaced(found)) => {
+                        return Err(StreamError::StateMismatch {
+                            operator: label,
+                            target: format!("table {}", self.table_name()),
+                            message: format!(
+                                "the table was replaced while this run claimed it (uuid {uuid}, now {found})"
+                            ),
+                        });
+                    }
+                    _ => return Err(external(&label, "claiming the sink's epoch", &e)),
+                },
+            }
+        }
+        Err(StreamError::External {
+            operator: label,
+            system: "iceberg",
+            action: "claiming the sink's epoch".to_owned(),
+            message: "other runs claimed it ten times in a row while this one tried".to_owned(),
+            retryable: true,
+        })
     }
 
     /// The highest checkpoint id this sink committed to the table.
@@ -563,12 +696,12 @@ fn partition_spec(spec: &TableSpec, schema: &Schema) -> StreamResult<UnboundPart
 }
 
 /// Loads the table, creating it (and its namespace) from the declared spec
-/// when missing.
+/// when missing; `true` with it when this call created it.
 async fn ensure_table(
     catalog: &dyn Catalog,
     ident: &TableIdent,
     config: &IcebergSinkConfig,
-) -> StreamResult<Table> {
+) -> StreamResult<(Table, bool)> {
     let what = format!("{}.{}", ident.namespace().to_url_string(), ident.name());
     let label = format!("iceberg sink {}", config.sink_id);
     // Some catalogs (the in-memory one) answer "no such namespace" rather
@@ -586,6 +719,7 @@ async fn ensure_table(
         return catalog
             .load_table(ident)
             .await
+            .map(|t| (t, false))
             .map_err(|e| external(&label, format!("loading table {what}"), &e));
     }
     let Some(spec) = &config.table_spec else {
@@ -615,13 +749,14 @@ async fn ensure_table(
         .build();
     match catalog.create_table(ns, creation).await {
         Ok(t) => {
-            tracing::info!(table = %what, sink = %config.sink_id, "created table");
-            Ok(t)
+            tracing::info!(table = %what, sink = %config.sink_id, uuid = %t.metadata().uuid(), "created table");
+            Ok((t, true))
         }
         // Another sink created it meanwhile.
         Err(e) if e.kind() == ErrorKind::TableAlreadyExists => catalog
             .load_table(ident)
             .await
+            .map(|t| (t, false))
             .map_err(|e| external(&label, format!("loading table {what}"), &e)),
         Err(e) => Err(external(&label, format!("creating table {what}"), &e)),
     }
@@ -666,7 +801,7 @@ fn check_fits(spec: &TableSpec, schema: &Schema, table: &str) -> StreamResult<()
 }
 
 /// What the guard saw on the table refreshed for a commit attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Observed {
     /// The sink already committed up to here, at or above the target: the
     /// commit is done.
@@ -676,10 +811,56 @@ pub(crate) enum Observed {
     Partly(u64),
     /// A fault hook crashed the commit.
     Crashed,
+    /// A newer run claimed the sink: its epoch, and who claimed it.
+    Fenced {
+        /// The table's epoch.
+        epoch: u64,
+        /// The claim's owner, as the table says.
+        owner: Option<String>,
+    },
+    /// The table under the name is another one: its uuid.
+    Replaced(String),
 }
 
-/// A catalog that runs the "already committed?" check on the table each
-/// commit attempt is built on.
+/// This run's claim of a sink: its epoch in the table with that uuid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claim {
+    pub(crate) epoch: u64,
+    pub(crate) uuid: String,
+}
+
+/// What a commit attempt requires of the table it is built on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Expect {
+    pub(crate) uuid: String,
+    pub(crate) epoch: u64,
+}
+
+impl From<&Claim> for Expect {
+    fn from(claim: &Claim) -> Self {
+        Expect {
+            uuid: claim.uuid.clone(),
+            epoch: claim.epoch,
+        }
+    }
+}
+
+/// Whether `table` is the one `expect` names, owned by its epoch.
+pub(crate) fn owned(table: &Table, sink_id: &str, expect: &Expect) -> Option<Observed> {
+    let uuid = table.metadata().uuid().to_string();
+    if uuid != expect.uuid {
+        return Some(Observed::Replaced(uuid));
+    }
+    let epoch = table_epoch(table, sink_id);
+    (epoch != expect.epoch).then(|| Observed::Fenced {
+        epoch,
+        owner: epoch_owner(table, sink_id),
+    })
+}
+
+/// A catalog that runs the "already committed?" check, and the check that
+/// the table is still the one this run owns (uuid and epoch), on the table
+/// each commit attempt is built on.
 ///
 /// `Transaction::commit` reloads the table through `load_table`, re-applies
 /// its actions on it and sends the result to `update_table` with the
@@ -687,12 +868,16 @@ pub(crate) enum Observed {
 /// repeats all of that. Checking the sink's committed id on exactly that
 /// reloaded table means no attempt, first or retried, can append a
 /// checkpoint the table already holds: anything committed after the check
-/// moves the head and fails the requirement.
+/// moves the head and fails the requirement. The same holds for the owner
+/// check: a newer run's claim adds a snapshot, so it moves the head too.
 pub(crate) struct GuardedCatalog<'a> {
     pub(crate) inner: &'a dyn Catalog,
     pub(crate) sink_id: &'a str,
-    /// The lowest and highest checkpoint ids of this commit.
-    pub(crate) range: (u64, u64),
+    /// The lowest and highest checkpoint ids of this commit (none for a
+    /// claim).
+    pub(crate) range: Option<(u64, u64)>,
+    /// The table and epoch the attempt must be built on.
+    pub(crate) expect: Option<Expect>,
     pub(crate) hook: Option<&'a FaultHook>,
     pub(crate) observed: Mutex<Option<Observed>>,
     pub(crate) attempts: std::sync::atomic::AtomicU32,
@@ -703,6 +888,7 @@ impl std::fmt::Debug for GuardedCatalog<'_> {
         f.debug_struct("GuardedCatalog")
             .field("sink_id", &self.sink_id)
             .field("range", &self.range)
+            .field("expect", &self.expect)
             .finish()
     }
 }
@@ -711,24 +897,31 @@ impl<'a> GuardedCatalog<'a> {
     pub(crate) fn new(
         inner: &'a dyn Catalog,
         sink_id: &'a str,
-        range: (u64, u64),
+        range: Option<(u64, u64)>,
         hook: Option<&'a FaultHook>,
     ) -> Self {
         GuardedCatalog {
             inner,
             sink_id,
             range,
+            expect: None,
             hook,
             observed: Mutex::new(None),
             attempts: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
+    /// Requires every attempt's table to be `expect`'s.
+    pub(crate) fn expecting(mut self, expect: Expect) -> Self {
+        self.expect = Some(expect);
+        self
+    }
+
     pub(crate) fn observed(&self) -> Option<Observed> {
-        *self
-            .observed
+        self.observed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     fn stop(&self, seen: Observed, message: String) -> iceberg::Error {
@@ -813,15 +1006,26 @@ impl Catalog for GuardedCatalog<'_> {
         if let Fault::Crash(why) = boxed(self.fault(CommitStep::Refreshed { attempt })).await {
             return Err(self.stop(Observed::Crashed, why));
         }
-        let (low, high) = self.range;
+        if let Some(expect) = &self.expect
+            && let Some(seen) = owned(&table, self.sink_id, expect)
+        {
+            let message = format!(
+                "sink {} no longer owns the table (epoch {}): {seen:?}",
+                self.sink_id, expect.epoch
+            );
+            return Err(self.stop(seen, message));
+        }
+        let Some((low, high)) = self.range else {
+            return Ok(table);
+        };
         match observe(&table, self.sink_id, low, high) {
-            Some(seen) => Err(self.stop(
-                seen,
-                format!(
+            Some(seen) => {
+                let message = format!(
                     "sink {} already committed {seen:?} of checkpoints {low}..={high}",
                     self.sink_id
-                ),
-            )),
+                );
+                Err(self.stop(seen, message))
+            }
             None => Ok(table),
         }
     }

@@ -13,25 +13,30 @@ use tinyflow_api::{
 };
 
 use crate::catalog::{
-    GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS,
-    SUMMARY_WATERMARK, SinkTable, external, observe,
+    Expect, GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_SINK_ID,
+    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, SinkTable, committed_id, committed_positions,
+    external, observe, owned,
 };
+use crate::identity::{self, Identity, Mismatch, WAYS_OUT};
 use crate::writer::DataFileMeta;
 
 /// Files of one completed-or-pending checkpoint.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-struct Staged {
-    files: Vec<DataFileMeta>,
+pub(crate) struct Staged {
+    pub(crate) files: Vec<DataFileMeta>,
     /// The combined watermark of the inputs when the barrier arrived.
-    watermark: Option<i64>,
+    pub(crate) watermark: Option<i64>,
     /// Where the sources stood at the barrier.
-    positions: JobPositions,
+    pub(crate) positions: JobPositions,
 }
 
 /// The committer's checkpoint state.
 #[derive(Debug, Default, Serialize, Deserialize)]
-struct State {
-    pending: BTreeMap<u64, Staged>,
+pub(crate) struct State {
+    pub(crate) pending: BTreeMap<u64, Staged>,
+    /// The table it was written for and what it knew of the table's
+    /// commits (`None` in states of earlier layouts).
+    pub(crate) identity: Option<Identity>,
 }
 
 /// What starts a versioned committer state: ten bytes of 0xFF, which no
@@ -40,7 +45,13 @@ struct State {
 /// set), then the layout's version.
 const VERSIONED: [u8; 10] = [0xFF; 10];
 /// The layout [`State`] is written in.
-const STATE_VERSION: u8 = 2;
+const STATE_VERSION: u8 = 3;
+
+/// The second layout (source positions, no identity).
+#[derive(Debug, Deserialize)]
+struct StateV2 {
+    pending: BTreeMap<u64, Staged>,
+}
 
 /// The first layout (before source positions), which checkpoints taken by
 /// earlier versions hold.
@@ -63,7 +74,7 @@ impl State {
     }
 
     /// Decodes a state of any layout this version knows.
-    fn decode(bytes: &[u8]) -> Result<State, String> {
+    pub(crate) fn decode(bytes: &[u8]) -> Result<State, String> {
         let Some(rest) = bytes.strip_prefix(&VERSIONED[..]) else {
             let v1: StateV1 = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
             let pending = v1
@@ -78,10 +89,19 @@ impl State {
                     (id, staged)
                 })
                 .collect();
-            return Ok(State { pending });
+            return Ok(State {
+                pending,
+                identity: None,
+            });
         };
         match rest.split_first() {
             Some((&STATE_VERSION, body)) => postcard::from_bytes(body).map_err(|e| e.to_string()),
+            Some((2, body)) => postcard::from_bytes::<StateV2>(body)
+                .map(|v2| State {
+                    pending: v2.pending,
+                    identity: None,
+                })
+                .map_err(|e| e.to_string()),
             Some((v, _)) => Err(format!(
                 "layout version {v}, written by a newer tinyflow; this one reads up to {STATE_VERSION}"
             )),
@@ -111,8 +131,12 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
                 ),
             });
         }
-        let mut committer = Committer::new(Arc::clone(&self.table));
-        if let Some(restore) = restored {
+        let table = &self.table;
+        let label = table.label();
+        let mut committer = Committer::new(Arc::clone(table));
+        let mut restored_identity = None;
+        if let Some(restore) = &restored {
+            let mut identities = Vec::new();
             for bytes in restore.states {
                 let state = State::decode(bytes).map_err(|message| StreamError::State {
                     operator: ctx.name.clone(),
@@ -125,22 +149,80 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
                     entry.watermark = entry.watermark.max(staged.watermark);
                     merge_positions(&mut entry.positions, staged.positions);
                 }
+                identities.extend(state.identity);
             }
+            // One committer, one state; should there be more, the one that
+            // saw the most is the one to hold the table to.
+            restored_identity = identities.into_iter().max_by_key(|i| i.committed);
+            match &restored_identity {
+                // Checked before this run claims the sink, so that a stale
+                // run refused here does not fence the run that owns it now.
+                Some(identity) => {
+                    committer
+                        .check_restored(identity, restore.checkpoint.get())
+                        .await?
+                }
+                None => tracing::warn!(
+                    sink = %label,
+                    checkpoint = %restore.checkpoint,
+                    "the checkpoint was written by an earlier tinyflow and records no table identity: the table is not checked against it this time"
+                ),
+            }
+        }
+        let claim = table.claim().await?.clone();
+        let now = table.load().await?;
+        let mut identity = Identity {
+            table_uuid: claim.uuid.clone(),
+            sink_id: table.config.sink_id.clone(),
+            epoch: claim.epoch,
+            committed: committed_id(&now, &table.config.sink_id),
+            committed_snapshot: None,
+            committed_positions: committed_positions(&now, &table.config.sink_id)
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+        };
+        identity.committed_snapshot = identity
+            .committed
+            .and_then(|c| identity::sink_snapshot(&now, &table.config.sink_id, c));
+        if let Some(restore) = restored {
+            if let Some(old) = &restored_identity {
+                // Again on the table as claimed: nothing can change it now
+                // but this run.
+                committer
+                    .check_restored(old, restore.checkpoint.get())
+                    .await?;
+            }
+            committer.identity = identity;
             let files: usize = committer.pending.values().map(|s| s.files.len()).sum();
             tracing::info!(
-                sink = %self.table.label(),
+                sink = %label,
                 checkpoint = %restore.checkpoint,
                 pending_checkpoints = committer.pending.len(),
                 files,
+                epoch = claim.epoch,
                 "restoring: committing what the checkpoint holds and the table does not"
             );
+            // The files of the checkpoints to commit must all be there.
+            let above = committed_id(&now, &table.config.sink_id).unwrap_or(0);
+            let started = Instant::now();
+            let to_verify: Vec<(u64, &DataFileMeta)> = committer
+                .pending
+                .iter()
+                .filter(|(id, _)| **id > above && **id <= restore.checkpoint.get())
+                .flat_map(|(id, s)| s.files.iter().map(|f| (*id, f)))
+                .collect();
+            let verified = identity::verify_files(&now, &label, to_verify).await?;
+            tracing::debug!(sink = %label, files = verified, verify_ms = started.elapsed().as_millis() as u64, "restored data files verified");
             // Recovery step 3: commit every restored checkpoint above what the
             // table holds; drop the rest (the guard tells which).
             committer.commit_upto(restore.checkpoint.get()).await?;
+        } else {
+            committer.identity = identity;
         }
         // Recovery step 4: files of checkpoints that never completed.
-        if let Some(min_age) = self.table.config.orphan_min_age {
-            match crate::orphans::delete_orphans(&self.table, min_age, true).await {
+        if let Some(min_age) = table.config.orphan_min_age {
+            match crate::orphans::delete_orphans(table, min_age, true).await {
                 Ok(report) if report.deleted > 0 => tracing::info!(
                     sink = %self.table.label(),
                     deleted = report.deleted,
@@ -165,8 +247,16 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
 /// A failed commit try.
 struct Failed {
     error: StreamError,
-    /// A fault hook crashed it: no retry, as after a real crash.
+    /// A fault hook crashed it, or a newer run fenced it: no retry.
     crashed: bool,
+}
+
+/// What a commit try did.
+enum Tried {
+    /// It committed, with this snapshot.
+    Committed(Option<i64>),
+    /// The guard found the table holds some or all of the checkpoints.
+    Seen(Observed),
 }
 
 impl From<StreamError> for Failed {
@@ -189,6 +279,8 @@ pub(crate) struct Committer {
     watermark: i64,
     /// Completed checkpoints not committed yet (for the cadence).
     uncommitted: u32,
+    /// The table this committer writes, its epoch, and its last commit.
+    identity: Identity,
     /// The newest checkpoint notified complete in this attempt (0: none).
     notified: u64,
     last_commit: Instant,
@@ -208,6 +300,7 @@ impl Committer {
             pending: BTreeMap::new(),
             watermark: i64::MIN,
             uncommitted: 0,
+            identity: Identity::default(),
             notified: 0,
             last_commit: Instant::now(),
             since_expiry: 0,
@@ -216,6 +309,46 @@ impl Committer {
             last_committed: metrics::gauge!("tinyflow_iceberg_last_committed_checkpoint", "sink" => sink),
             table,
         }
+    }
+
+    /// Refuses a restored state that the table disagrees with (see
+    /// [`identity::check`]).
+    async fn check_restored(&self, restored: &Identity, checkpoint: u64) -> StreamResult<()> {
+        let table = self.table.load().await?;
+        let positions: BTreeMap<u64, JobPositions> = self
+            .pending
+            .iter()
+            .map(|(id, s)| (*id, s.positions.clone()))
+            .collect();
+        match identity::check(&table, restored, &positions, checkpoint) {
+            Ok(()) => Ok(()),
+            Err(mismatch) => {
+                let mut what = mismatch.describe(&format!("table {}", self.table.table_name()));
+                if matches!(mismatch, Mismatch::Replaced { .. }) && self.table.created_here() {
+                    what.push_str("; this run created it, as it was missing");
+                }
+                tracing::error!(sink = %self.table.label(), checkpoint, %what, "refusing to restore: the table disagrees with the checkpoint");
+                Err(StreamError::StateMismatch {
+                    operator: self.table.label(),
+                    target: format!("table {}", self.table.table_name()),
+                    message: format!("checkpoint {checkpoint}: {what}; {WAYS_OUT}"),
+                })
+            }
+        }
+    }
+
+    /// Notes that the table holds the sink's checkpoints up to `id`.
+    fn note_committed(&mut self, id: u64, snapshot: Option<i64>) {
+        if self.identity.committed >= Some(id) {
+            return;
+        }
+        self.identity.committed = Some(id);
+        self.identity.committed_snapshot = snapshot;
+        self.identity.committed_positions = self
+            .pending
+            .get(&id)
+            .map(|s| s.positions.clone())
+            .unwrap_or_default();
     }
 
     fn pending_bytes(&self) -> u64 {
@@ -230,7 +363,8 @@ impl Committer {
     /// unless the table already has them: the check runs on the table as
     /// refreshed for each attempt (see [`GuardedCatalog`]).
     async fn commit_upto(&mut self, upto: u64) -> StreamResult<()> {
-        let config = &self.table.config;
+        let table = Arc::clone(&self.table);
+        let config = &table.config;
         let label = self.table.label();
         let mut backoff = config.retry_backoff;
         let mut failures = 0u32;
@@ -247,13 +381,14 @@ impl Committer {
             let result =
                 on_commit_thread(&label, Self::try_commit(Arc::clone(&self.table), staged)).await;
             match result {
-                Ok(None) => {
+                Ok(Tried::Committed(snapshot)) => {
                     let files: usize = ids.iter().map(|id| self.pending[id].files.len()).sum();
                     let records: u64 = ids
                         .iter()
                         .flat_map(|id| &self.pending[id].files)
                         .map(|f| f.records)
                         .sum();
+                    self.note_committed(high, snapshot);
                     self.pending.retain(|id, _| *id > high);
                     self.uncommitted = 0;
                     self.last_commit = Instant::now();
@@ -278,21 +413,51 @@ impl Committer {
                     );
                     return Ok(());
                 }
-                Ok(Some(Observed::AlreadyCommitted(c))) => {
+                Ok(Tried::Seen(Observed::AlreadyCommitted(c))) => {
                     tracing::info!(sink = %label, checkpoint = high, table_has = c, "already committed; dropping");
+                    self.note_committed(c, None);
                     self.pending.retain(|id, _| *id > high);
                     self.uncommitted = 0;
                     self.last_committed.set(c as f64);
                     return Ok(());
                 }
-                Ok(Some(Observed::Partly(c))) => {
+                Ok(Tried::Seen(Observed::Partly(c))) => {
                     tracing::info!(sink = %label, from = low, to = high, table_has = c, "partly committed already; committing the rest");
+                    self.note_committed(c, None);
                     self.pending.retain(|id, _| *id > c);
                 }
-                Ok(Some(Observed::Crashed)) => unreachable!("crashes are errors"),
+                Ok(Tried::Seen(Observed::Crashed)) => unreachable!("crashes are errors"),
+                Ok(Tried::Seen(Observed::Fenced { epoch, owner })) => {
+                    let owner = owner.map_or_else(String::new, |o| format!(" ({o})"));
+                    let message = format!(
+                        "a newer run of sink {} claimed table {} with epoch {epoch}{owner}, above this run's {}; checkpoints {low}..={high} stay uncommitted, and this run stops for good (the newer run goes on from what the table holds)",
+                        config.sink_id,
+                        self.table.table_name(),
+                        self.identity.epoch
+                    );
+                    tracing::error!(sink = %label, epoch = self.identity.epoch, newer = epoch, "fenced: {message}");
+                    return Err(StreamError::Fenced {
+                        operator: label,
+                        message,
+                    });
+                }
+                Ok(Tried::Seen(Observed::Replaced(found))) => {
+                    let mismatch = Mismatch::Replaced {
+                        expected: self.identity.table_uuid.clone(),
+                        found,
+                    };
+                    return Err(StreamError::StateMismatch {
+                        operator: label,
+                        target: format!("table {}", self.table.table_name()),
+                        message: format!(
+                            "while committing checkpoints {low}..={high}: {}; {WAYS_OUT}",
+                            mismatch.describe(&format!("table {}", self.table.table_name()))
+                        ),
+                    });
+                }
                 Err(Failed { error: e, crashed }) => {
                     failures += 1;
-                    if crashed || failures >= config.commit_attempts {
+                    if crashed || !e.is_retryable() || failures >= config.commit_attempts {
                         tracing::error!(sink = %label, checkpoint = high, failures, error = %e, "commit failed; the data stays in the checkpoint");
                         return Err(e);
                     }
@@ -331,21 +496,26 @@ impl Committer {
         }
     }
 
-    /// One commit try of the `staged` checkpoints. `Ok(None)`: done;
-    /// `Ok(Some(..))`: the guard found the table holds some or all of them.
+    /// One commit try of the `staged` checkpoints, by the run holding
+    /// `claim`.
     async fn try_commit(
         sink: Arc<SinkTable>,
         staged: BTreeMap<u64, Staged>,
-    ) -> Result<Option<Observed>, Failed> {
+    ) -> Result<Tried, Failed> {
         let config = &sink.config;
         let label = sink.label();
         let (Some(&low), Some(&high)) = (staged.keys().next(), staged.keys().next_back()) else {
-            return Ok(None);
+            return Ok(Tried::Committed(None));
         };
+        let expect = Expect::from(sink.claim().await?);
         let table = sink.load().await?;
-        // A fast check first: no transaction needed when all is committed.
+        // Fast checks first: no transaction needed when this run no longer
+        // owns the table, or all is committed.
+        if let Some(seen) = owned(&table, &config.sink_id, &expect) {
+            return Ok(Tried::Seen(seen));
+        }
         if let Some(seen) = observe(&table, &config.sink_id, low, high) {
-            return Ok(Some(seen));
+            return Ok(Tried::Seen(seen));
         }
         let metadata = table.metadata();
         let schema = metadata.current_schema();
@@ -377,6 +547,7 @@ impl Committer {
         let mut summary = HashMap::from([
             (SUMMARY_SINK_ID.to_owned(), config.sink_id.clone()),
             (SUMMARY_CHECKPOINT_ID.to_owned(), high.to_string()),
+            (SUMMARY_EPOCH.to_owned(), expect.epoch.to_string()),
         ]);
         if let Some(w) = staged[&high].watermark
             && w > i64::MIN
@@ -421,11 +592,12 @@ impl Committer {
         let guard = GuardedCatalog::new(
             catalog.as_ref(),
             &config.sink_id,
-            (low, high),
+            Some((low, high)),
             config.fault_hook.as_ref(),
-        );
+        )
+        .expecting(expect);
         match tx.commit(&guard).await {
-            Ok(_) => Ok(None),
+            Ok(table) => Ok(Tried::Committed(table.metadata().current_snapshot_id())),
             Err(e) => match guard.observed() {
                 Some(Observed::Crashed) => Err(Failed {
                     error: StreamError::External {
@@ -438,7 +610,7 @@ impl Committer {
                     },
                     crashed: true,
                 }),
-                Some(seen) => Ok(Some(seen)),
+                Some(seen) => Ok(Tried::Seen(seen)),
                 None => {
                     let mut error =
                         external(&label, format!("committing checkpoints {low}..={high}"), &e);
@@ -560,6 +732,7 @@ impl Sink<DataFileMeta> for Committer {
         }
         let state = State {
             pending: self.pending.clone(),
+            identity: Some(self.identity.clone()),
         };
         state.encode().map_err(|e| StreamError::State {
             operator: self.table.label(),

@@ -598,6 +598,12 @@ impl IcebergSinkConfig {
         crate::catalog::positions_property(&self.sink_id)
     }
 
+    /// The table property holding the epoch of the run that owns this
+    /// sink (see `IcebergSink::claim`).
+    pub fn epoch_property(&self) -> String {
+        crate::catalog::epoch_property(&self.sink_id)
+    }
+
     /// Checks every setting; the error names the key.
     pub fn validate(&self) -> StreamResult<()> {
         let bad = |key: &'static str, message: String| Err(StreamError::Config { key, message });

@@ -48,6 +48,7 @@
 pub mod catalog;
 mod committer;
 pub mod config;
+pub mod identity;
 mod local_storage;
 mod orphans;
 mod writer;
@@ -59,9 +60,10 @@ use arrow_array::RecordBatch;
 use tinyflow_api::{CheckpointId, JobPositions, SinkFactory, Stream, StreamResult, WriterFactory};
 
 pub use catalog::{
-    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK,
-    TableReader, committed_id, committed_positions, iceberg_schema, is_s3_location, load_table,
-    open_catalog, positions_property, scan_longs, total_records,
+    SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, SUMMARY_SINK_ID,
+    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, TableReader, committed_id, committed_positions,
+    epoch_owner, epoch_property, iceberg_schema, is_s3_location, load_table, open_catalog,
+    positions_property, scan_longs, table_epoch, total_records,
 };
 pub use config::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
@@ -123,6 +125,17 @@ impl IcebergSink {
     /// the column.
     pub async fn load_table(&self) -> StreamResult<iceberg::table::Table> {
         self.table.load().await
+    }
+
+    /// Claims the sink for this run (once; later calls return the same
+    /// epoch): raises the table's `tinyflow.sink.<id>.epoch` in a commit of
+    /// its own, after which commits of older runs of the sink are refused
+    /// (they stop with [`StreamError::Fenced`](tinyflow_api::StreamError)).
+    /// The committer claims when it starts; a tool that reads the table to
+    /// decide where the job starts (`tinyflow run` without a checkpoint)
+    /// claims first, so that no older run commits after it read.
+    pub async fn claim(&self) -> StreamResult<u64> {
+        Ok(self.table.claim().await?.epoch)
     }
 
     /// The highest checkpoint id this sink committed to the table.
