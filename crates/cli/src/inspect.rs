@@ -17,12 +17,13 @@ use tinyflow_connectors_iceberg::{
 /// `tinyflow inspect` options.
 #[derive(Debug, clap::Args)]
 pub(crate) struct InspectArgs {
-    /// A sqlite catalog's directory (holding catalog.db and warehouse/), a
+    /// A job file (`JOB.toml`: the job's state beside its table), or a
+    /// sqlite catalog's directory (holding catalog.db and warehouse/), a
     /// SQL catalog URI (`postgres://...`, `sqlite:...`; then --warehouse),
     /// or a REST catalog server's `http(s)://host:port`.
     catalog: String,
-    /// The table, `namespace.table`.
-    table: String,
+    /// The table, `namespace.table` (not with a job file).
+    table: Option<String>,
     /// The warehouse of a SQL catalog given by URI (for a REST catalog: the
     /// warehouse to ask the server for, if it serves several).
     #[arg(long)]
@@ -110,9 +111,11 @@ fn millis_utc(ms: i64) -> String {
 }
 
 pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let Some(table_name) = args.table.clone() else {
+        return inspect_job(std::path::Path::new(&args.catalog)).await;
+    };
     let config = catalog_config(&args)?;
-    let (ns, name) = args
-        .table
+    let (ns, name) = table_name
         .rsplit_once('.')
         .context("TABLE: expected namespace.table")?;
     let catalog = open_catalog(&config, Duration::from_secs(10)).await?;
@@ -123,9 +126,9 @@ pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
     let table = catalog
         .load_table(&ident)
         .await
-        .with_context(|| format!("loading {} from {}", args.table, config.describe()))?;
+        .with_context(|| format!("loading {table_name} from {}", config.describe()))?;
     let meta = table.metadata();
-    println!("table {} at {}", args.table, meta.location());
+    println!("table {table_name} at {}", meta.location());
     let committed: Vec<_> = meta
         .properties()
         .iter()
@@ -169,6 +172,26 @@ pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
         println!("{:>20}  source positions: {}", "", positions_line(p));
     }
     Ok(())
+}
+
+/// `tinyflow inspect JOB.toml`: an error (exit 4) when a run would refuse
+/// the job's state.
+async fn inspect_job(job: &std::path::Path) -> anyhow::Result<()> {
+    let plan = tinyflow_cli::JobFile::load(job).and_then(|f| f.plan())?;
+    match tinyflow_cli::jobstate::inspect(&plan).await? {
+        tinyflow_cli::jobstate::Agreement::Agree => Ok(()),
+        tinyflow_cli::jobstate::Agreement::Disagree => Err(anyhow::Error::new(
+            tinyflow_api::StreamError::StateMismatch {
+                operator: format!("job {}", plan.job_id),
+                target: format!(
+                    "table {}.{}",
+                    plan.sink.namespace.join("."),
+                    plan.sink.table
+                ),
+                message: "see the verdict above".to_owned(),
+            },
+        )),
+    }
 }
 
 #[cfg(test)]

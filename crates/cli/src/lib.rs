@@ -8,6 +8,7 @@
 
 mod duration;
 mod jobfile;
+pub mod jobstate;
 pub mod nexmark;
 mod plan;
 mod transform;
@@ -20,6 +21,50 @@ pub use jobfile::{
 };
 pub use plan::{JobPlan, absolute_path, counters_line, install_metrics, metric_sum};
 pub use transform::Transforms;
+
+/// The exit codes of `tinyflow run` (and `inspect`, `reset`): what happened,
+/// for a supervisor or a script.
+pub mod exit {
+    /// The job ended (a bounded job read everything, or a stop took a final
+    /// checkpoint), or the command did what it was asked.
+    pub const OK: u8 = 0;
+    /// The job failed (past its restart strategy, or an error no restart
+    /// mends, such as a bad record under `bad_records = "fail"`).
+    pub const FAILED: u8 = 1;
+    /// The job file or the command line is wrong; nothing ran.
+    pub const USAGE: u8 = 2;
+    /// Another run owns the job: a newer run of the sink fenced this one, or
+    /// a run holds the checkpoint directory. Restarting this process does
+    /// not help.
+    pub const FENCED: u8 = 3;
+    /// The job's state and its table disagree (a dropped or replaced table,
+    /// a table restored from an older backup, lost data files): nothing was
+    /// committed; `tinyflow inspect` shows both sides, `tinyflow reset`
+    /// starts again from the table.
+    pub const STATE_MISMATCH: u8 = 4;
+}
+
+/// The exit code for an error (see [`exit`]): its causes decide.
+pub fn exit_code(error: &anyhow::Error) -> u8 {
+    for cause in error.chain() {
+        if let Some(e) = cause.downcast_ref::<tinyflow_api::StreamError>() {
+            match e {
+                tinyflow_api::StreamError::Fenced { .. } => return exit::FENCED,
+                tinyflow_api::StreamError::StateMismatch { .. } => return exit::STATE_MISMATCH,
+                _ => {}
+            }
+        }
+        if let Some(tinyflow_checkpoint::Error::RestoreBehindSinks { .. }) =
+            cause.downcast_ref::<tinyflow_checkpoint::Error>()
+        {
+            return exit::STATE_MISMATCH;
+        }
+        if cause.downcast_ref::<JobFileError>().is_some() {
+            return exit::USAGE;
+        }
+    }
+    exit::FAILED
+}
 
 /// What is wrong with a job file: the key and what was expected there.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

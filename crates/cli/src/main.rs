@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tinyflow_cli::{JobFile, counters_line, install_metrics};
+use tinyflow_cli::jobstate::{ResetStart, ResetTo, parse_offsets, reset};
+use tinyflow_cli::{JobFile, JobFileError, counters_line, exit_code, install_metrics};
 use tinyflow_runtime::StopHandle;
 
 #[derive(Debug, Parser)]
@@ -40,9 +41,32 @@ enum Command {
     /// job into an Iceberg table in a local sqlite catalog, a live progress
     /// line, then a check that the table holds every bid exactly once.
     Demo(demo::DemoArgs),
-    /// Lists a table's snapshots with the checkpoint ids, watermarks and
-    /// (given the checkpoint directory) source positions that made them.
+    /// `inspect JOB.toml`: the job's state beside its table (epoch, last
+    /// commit, positions, pending checkpoints) and whether a run would
+    /// accept it (exit 4 when not). `inspect CATALOG TABLE`: a table's
+    /// snapshots with the checkpoint ids, watermarks and source positions
+    /// that made them.
     Inspect(inspect::InspectArgs),
+    /// Starts a job again from what its table holds (or from given
+    /// offsets or a time): sets its checkpoints aside (moved, not deleted)
+    /// and claims its sink, so that a run of it elsewhere is fenced.
+    /// Refuses while a run holds the checkpoint directory.
+    Reset {
+        /// The job file.
+        job: PathBuf,
+        /// Start where the table's last commit of the sink ends (the
+        /// default; source.start when the table holds none).
+        #[arg(long, conflicts_with_all = ["to_offsets", "to_timestamp"])]
+        to_table: bool,
+        /// Start at these offsets: `topic/partition=offset,...` (partitions
+        /// not named start at the earliest).
+        #[arg(long, value_name = "OFFSETS", conflicts_with = "to_timestamp")]
+        to_offsets: Option<String>,
+        /// Start at the first records at or after this time (ms since the
+        /// Unix epoch).
+        #[arg(long, value_name = "MS")]
+        to_timestamp: Option<i64>,
+    },
 }
 
 fn init_tracing(default: &str) {
@@ -146,6 +170,29 @@ fn main() -> ExitCode {
                 init_tracing("warn");
                 inspect::run(args).await
             }
+            Command::Reset {
+                job,
+                to_table: _,
+                to_offsets,
+                to_timestamp,
+            } => {
+                init_tracing("warn");
+                let plan = JobFile::load(&job).and_then(|f| f.plan())?;
+                let to = match (to_offsets, to_timestamp) {
+                    (Some(o), _) => ResetTo::Start(ResetStart::Offsets(
+                        parse_offsets(&o).map_err(|e| JobFileError {
+                            key: "--to-offsets".to_owned(),
+                            message: e.to_string(),
+                        })?,
+                    )),
+                    (None, Some(ms)) => ResetTo::Start(ResetStart::TimestampMs(ms)),
+                    (None, None) => ResetTo::Table,
+                };
+                for line in reset(&plan, to).await? {
+                    println!("{line}");
+                }
+                Ok(())
+            }
         }
     });
     // Do not wait for blocking threads (a Kafka client's close) on exit.
@@ -155,7 +202,7 @@ fn main() -> ExitCode {
         Err(e) => {
             let e: anyhow::Error = e;
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            ExitCode::from(exit_code(&e))
         }
     }
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -50,6 +51,8 @@ pub struct JobPlan {
     pub metrics_linger: Duration,
     /// The sink's configuration (catalog, table).
     pub sink: IcebergSinkConfig,
+    /// The sink in the graph (one claim of the table per run).
+    pub(crate) iceberg: IcebergSink,
     graph: JobGraph,
     /// What it was planned from, to plan it again with another start.
     file: JobFile,
@@ -336,12 +339,17 @@ impl JobFile {
     /// graph: the schema, event time, transforms against the schema, the
     /// table spec, durations, the metrics address.
     pub fn plan(&self) -> Result<JobPlan, JobFileError> {
-        self.plan_starting(None)
+        self.plan_starting(None, None)
     }
 
     /// [`JobFile::plan`], with the source starting at `start` instead of
-    /// `source.start` when it has no checkpoint to restore.
-    fn plan_starting(&self, start: Option<StartPosition>) -> Result<JobPlan, JobFileError> {
+    /// `source.start` when it has no checkpoint to restore, and the sink
+    /// `reuse` (a run's sink, with its claim of the table) instead of a new one.
+    fn plan_starting(
+        &self,
+        start: Option<StartPosition>,
+        reuse: Option<&IcebergSink>,
+    ) -> Result<JobPlan, JobFileError> {
         let job_id =
             JobId::new(self.job.name.clone()).map_err(|e| err("job.name", e.to_string()))?;
         if self.job.parallelism == 0 {
@@ -531,7 +539,10 @@ impl JobFile {
             Some(l) => duration("metrics.linger", l)?,
         };
 
-        let sink = IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?;
+        let sink = match reuse {
+            Some(sink) => sink.clone(),
+            None => IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?,
+        };
         let job = JobBuilder::new(job_id.clone());
         let source_parallelism = s.parallelism.unwrap_or(self.job.parallelism);
         let sink_parallelism = k.parallelism.unwrap_or(self.job.parallelism);
@@ -565,6 +576,7 @@ impl JobFile {
             metrics_address,
             metrics_linger,
             sink: sc,
+            iceberg: sink,
             graph,
             file: self.clone(),
         })
@@ -711,8 +723,7 @@ impl JobPlan {
     /// The Kafka offsets the table's last commit of this sink holds the
     /// data up to (from its `source-positions` property), if it has any.
     async fn table_offsets(&self) -> anyhow::Result<Option<BTreeMap<(String, i32), i64>>> {
-        let sink = IcebergSink::new(self.sink.clone())?;
-        let Some(positions) = sink.committed_positions().await? else {
+        let Some(positions) = self.iceberg.committed_positions().await? else {
             return Ok(None);
         };
         let Some(kafka) = positions.get(SOURCE_NODE) else {
@@ -737,9 +748,7 @@ impl JobPlan {
     pub async fn run_until_stopped(self, stop: StopHandle) -> anyhow::Result<JobReport> {
         let store = LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
             .await
-            .map_err(|e| {
-                anyhow::anyhow!("checkpoint.dir {}: {e}", self.checkpoint_dir.display())
-            })?;
+            .with_context(|| format!("checkpoint.dir {}", self.checkpoint_dir.display()))?;
         let table = format!("{}.{}", self.sink.namespace.join("."), self.sink.table);
         tracing::info!(
             job = %self.job_id,
@@ -748,28 +757,56 @@ impl JobPlan {
             table = %table,
             "running job"
         );
-        let resume = if store.list().await?.is_empty() {
-            self.table_offsets().await?
-        } else {
-            None
-        };
-        let mut graph = self.graph;
-        if let Some(offsets) = resume {
-            // No checkpoint to restore, but the table says where its data
-            // ends: start there rather than at `source.start`, which would
-            // write again what the table holds.
-            tracing::warn!(
-                table = %table,
-                sink = %self.sink.sink_id,
-                partitions = offsets.len(),
-                offsets = ?offsets.iter().map(|((t, p), o)| format!("{t}/{p}@{o}")).collect::<Vec<_>>(),
-                "no checkpoint in the checkpoint directory: the source starts where the table's last commit of this sink ends"
-            );
-            graph = self
-                .file
-                .plan_starting(Some(StartPosition::Offsets(offsets)))?
-                .graph;
+        let mut graph = None;
+        if store.list().await?.is_empty() {
+            // No checkpoint: where the job starts depends on the table. Claim
+            // the sink first, so that no older run commits after the read.
+            let epoch = self.iceberg.claim().await?;
+            let committed = self.iceberg.last_committed().await?.map(|c| c.get());
+            let reset = crate::jobstate::ResetFile::read(&self.checkpoint_dir)?;
+            let start = match reset {
+                Some(reset) if reset.table_committed == committed => {
+                    tracing::warn!(
+                        table = %table,
+                        epoch,
+                        start = %reset.start,
+                        "no checkpoint in the checkpoint directory: the source starts where `tinyflow reset` said"
+                    );
+                    Some(reset.start.position())
+                }
+                other => {
+                    if let Some(reset) = other {
+                        tracing::warn!(
+                            reset_at = reset.table_committed,
+                            table_now = committed,
+                            "ignoring the reset file: the table has moved on since the reset"
+                        );
+                    }
+                    // No checkpoint to restore, but the table says where its
+                    // data ends: start there rather than at `source.start`,
+                    // which would write again what the table holds.
+                    self.table_offsets().await?.map(|offsets| {
+                        tracing::warn!(
+                            table = %table,
+                            sink = %self.sink.sink_id,
+                            epoch,
+                            partitions = offsets.len(),
+                            offsets = ?offsets.iter().map(|((t, p), o)| format!("{t}/{p}@{o}")).collect::<Vec<_>>(),
+                            "no checkpoint in the checkpoint directory: the source starts where the table's last commit of this sink ends"
+                        );
+                        StartPosition::Offsets(offsets)
+                    })
+                }
+            };
+            if let Some(start) = start {
+                graph = Some(
+                    self.file
+                        .plan_starting(Some(start), Some(&self.iceberg))?
+                        .graph,
+                );
+            }
         }
+        let graph = graph.unwrap_or(self.graph);
         let report = JobRunner::new(graph, Arc::new(store), self.runtime)
             .with_stop(stop)
             .run()

@@ -125,9 +125,15 @@ impl Run {
 
     /// As [`Run::start`], with `TINYFLOW_LOG=log`.
     fn start_logging(job: &Path, dir: &Path, n: u32, log: &str) -> Run {
+        Run::start_with(job, dir, n, log, 150)
+    }
+
+    /// As [`Run::start`], with `TINYFLOW_LOG=log` and every commit paused
+    /// `pause_ms` before and after its catalog update.
+    fn start_with(job: &Path, dir: &Path, n: u32, log: &str, pause_ms: u64) -> Run {
         let mut child = Command::new(tinyflow_bin())
             .args(["run", job.to_str().unwrap()])
-            .env("TINYFLOW_CHAOS_COMMIT_PAUSE_MS", "150")
+            .env("TINYFLOW_CHAOS_COMMIT_PAUSE_MS", pause_ms.to_string())
             .env("TINYFLOW_LOG", log)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -225,6 +231,31 @@ impl Run {
         };
         let log = std::fs::read_to_string(&self.log).unwrap_or_default();
         assert!(status.success(), "exit {status}; its log: {log}");
+    }
+
+    /// Waits up to `within` for the process to exit by itself; its exit
+    /// code (`None`: a signal) and its log.
+    fn exit_code_within(&mut self, within: Duration) -> (Option<i32>, String) {
+        let deadline = Instant::now() + within;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                self.child.kill().unwrap();
+                panic!(
+                    "still running after {within:?}; its log: {}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        // The log thread may lag the exit a little.
+        std::thread::sleep(Duration::from_millis(200));
+        (
+            status.code(),
+            std::fs::read_to_string(&self.log).unwrap_or_default(),
+        )
     }
 
     /// SIGKILL, as a crash.
@@ -836,4 +867,202 @@ fn files_under(dir: &Path) -> u64 {
             if path.is_dir() { files_under(&path) } else { 1 }
         })
         .sum()
+}
+
+// ---- the table is the truth: through the product ----
+
+/// `tinyflow ARGS...` to its end: exit code, stdout, stderr.
+fn tinyflow(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(tinyflow_bin())
+        .args(args)
+        .env("TINYFLOW_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn fresh_topic(prefix: &str, n: u64) -> (String, String) {
+    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
+    let topic = format!(
+        "{prefix}-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    produce_stream(
+        &bootstrap,
+        &topic,
+        &[],
+        (0..n).map(|id| ((id % PARTITIONS as u64) as i32, bid_json(id))),
+    )
+    .unwrap();
+    (bootstrap, topic)
+}
+
+/// The table is dropped after a run while its checkpoints survive: the
+/// next run refuses them (exit 4) instead of committing the old files into
+/// the table it creates again; `inspect` shows the disagreement (exit 4);
+/// `reset` sets the checkpoints aside; the run after it reads the topic
+/// again into the new table, each record once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_table_is_refused_then_inspect_and_reset_start_the_job_again() {
+    let n = 4_000u64;
+    let (bootstrap, topic) = fresh_topic("dropped-bids", n).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = job_file(&dir, &bootstrap, &topic, "bounded = true");
+    let job_arg = job.to_str().unwrap();
+    Run::start(&job, &dir, 0).exits_0_within_120_s("the first run did not end");
+    read_each_once(&dir, n);
+    let (code, out, _) = tinyflow(&["inspect", job_arg]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("verdict: agree"), "{out}");
+
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
+    let c = tinyflow_connectors_iceberg::open_catalog(&catalog, Duration::from_secs(5))
+        .await
+        .unwrap();
+    c.drop_table(&iceberg::TableIdent::from_strs(["chaos", "bids"]).unwrap())
+        .await
+        .unwrap();
+
+    let (code, log) = Run::start(&job, &dir, 1).exit_code_within(Duration::from_secs(60));
+    assert_eq!(code, Some(4), "{log}");
+    assert!(
+        log.contains("not the table the checkpoint was written for")
+            && log.contains("tinyflow reset"),
+        "{log}"
+    );
+    let empty = tinyflow_tests::pyiceberg_read(&dir, "chaos.bids", &["id"]);
+    assert_eq!(empty["rows"], 0, "old files reached the new table: {empty}");
+
+    let (code, out, err) = tinyflow(&["inspect", job_arg]);
+    assert_eq!(code, Some(4), "{out}{err}");
+    assert!(out.contains("verdict: DISAGREE"), "{out}");
+    let (code, out, err) = tinyflow(&["reset", job_arg]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("moved") && out.contains("starts at source.start"),
+        "{out}"
+    );
+    let (code, out, _) = tinyflow(&["inspect", job_arg]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("no checkpoint"), "{out}");
+
+    Run::start(&job, &dir, 2).exits_0_within_120_s("the run after the reset did not end");
+    read_each_once(&dir, n);
+}
+
+/// `reset --to-offsets` starts a job without a checkpoint at the given
+/// offsets: the table then holds exactly the records from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_to_offsets_starts_the_next_run_there() {
+    let n = 2_000u64;
+    let (bootstrap, topic) = fresh_topic("reset-bids", n).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = job_file(&dir, &bootstrap, &topic, "bounded = true");
+    let half = n / PARTITIONS as u64 / 2;
+    let offsets: Vec<String> = (0..PARTITIONS)
+        .map(|p| format!("{topic}/{p}={half}"))
+        .collect();
+    let (code, out, err) = tinyflow(&[
+        "reset",
+        job.to_str().unwrap(),
+        "--to-offsets",
+        &offsets.join(","),
+    ]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains(&format!("{topic}/0@{half}")), "{out}");
+    let (code, _, err) = tinyflow(&["reset", job.to_str().unwrap(), "--to-offsets", "nonsense"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--to-offsets"), "{err}");
+
+    Run::start(&job, &dir, 0).exits_0_within_120_s("the run did not end");
+    // Offset k of partition p holds id k * PARTITIONS + p.
+    let table = tinyflow_tests::pyiceberg_read(&dir, "chaos.bids", &["id"]);
+    let from = half * PARTITIONS as u64;
+    assert_eq!(table["rows"], n - from, "{table}");
+    assert_eq!(table["distinct_ids"], n - from, "{table}");
+    assert_eq!(table["id_min"], from, "{table}");
+}
+
+/// A second `tinyflow run` of a job whose checkpoint directory a run holds
+/// exits at once with 3, naming the holder; the first goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_run_on_the_same_checkpoint_directory_exits_3_at_once() {
+    let (bootstrap, topic) = fresh_topic("locked-bids", 1_000).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = job_file(&dir, &bootstrap, &topic, "");
+    let mut first = Run::start(&job, &dir, 0);
+    assert!(
+        first.wait_for("committed", Duration::from_secs(60)),
+        "no commit; log: {}",
+        std::fs::read_to_string(&first.log).unwrap_or_default()
+    );
+    let started = Instant::now();
+    let (code, log) = Run::start(&job, &dir, 1).exit_code_within(Duration::from_secs(30));
+    assert_eq!(code, Some(3), "{log}");
+    assert!(
+        log.contains("in use by another run") && log.contains(&format!("pid {}", first.child.id())),
+        "{log}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(15), "{log}");
+    first.assert_alive();
+    first.stop();
+}
+
+/// Two live runs of one job on two machines (a checkpoint directory each):
+/// the older pauses inside a commit (after its checks, before the catalog
+/// update) while the newer starts and claims the sink. The older is
+/// refused, exits 3 saying it was fenced, and commits nothing more; the
+/// newer reads on from where the table ends, and the table holds every
+/// record once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_live_runs_of_one_job_the_newer_fences_the_older_inside_its_commit() {
+    let n = 6_000u64;
+    let (bootstrap, topic) = fresh_topic("fenced-bids", n).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let text = job_text(&dir, &bootstrap, &topic, "bounded = true");
+    let old_job = dir.join("old.toml");
+    std::fs::write(&old_job, &text).unwrap();
+    let new_job = dir.join("new.toml");
+    std::fs::write(
+        &new_job,
+        text.replace("/checkpoints\"", "/checkpoints-elsewhere\""),
+    )
+    .unwrap();
+    let mut old = Run::start_with(&old_job, &dir, 0, "info", 6_000);
+    assert!(
+        old.wait_for("CHAOS commit paused before update", Duration::from_secs(60)),
+        "the older run never reached a commit; log: {}",
+        std::fs::read_to_string(&old.log).unwrap_or_default()
+    );
+    let mut new = Run::start_with(&new_job, &dir, 1, "info", 0);
+    assert!(
+        new.wait_for("claimed the sink", Duration::from_secs(5)),
+        "the newer run did not claim within the older's pause; log: {}",
+        std::fs::read_to_string(&new.log).unwrap_or_default()
+    );
+    let (code, log) = old.exit_code_within(Duration::from_secs(60));
+    assert_eq!(code, Some(3), "{log}");
+    assert!(log.contains("fenced") && log.contains("epoch 2"), "{log}");
+    assert!(
+        !log.contains("CHAOS commit paused after update"),
+        "the older run's commit went through: {log}"
+    );
+    new.exits_0_within_120_s("the newer run did not end");
+    let table = read_each_once(&dir, n);
+    assert_eq!(
+        table["properties"]["tinyflow.sink.chaos.epoch"], "2",
+        "{table}"
+    );
 }
