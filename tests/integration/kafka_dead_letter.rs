@@ -298,3 +298,33 @@ async fn a_bad_record_too_large_for_the_dead_letter_topic_is_sent_truncated() {
     assert_eq!(whole.header("tinyflow.truncated"), None);
     assert_eq!(whole.value.as_deref(), Some(&b"{small"[..]));
 }
+
+/// Two live runs of one job with a dead-letter topic: the newer run's
+/// dead-letter producer takes the `transactional.id` over (Kafka's own
+/// epoch), and the older run's next dead-letter transaction is refused with
+/// `Fenced`, not retryable, so that the older run stops instead of taking
+/// the id back on a restart (and fencing the newer in turn).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_run_whose_dead_letter_producer_a_newer_run_took_over_stops_for_good() {
+    let (topic, _, _) = topic_with_bad_records("dl-fenced", 1, 400, 7).await;
+    let dlq = fresh_topic("dl-fenced-dlq");
+    create_topic(&bootstrap(), &dlq, 1).await.unwrap();
+    let config = dead_letter_config(&topic, &fresh_topic("group"), &dlq);
+    let source = KafkaSource::new(config, Format::<Rec>::json());
+    let mut older = source.create(&ctx(0, 1), &[]).unwrap();
+    read_good(&mut older, 100).await;
+    older.snapshot(CheckpointId::new(1)).unwrap();
+    // The newer run starts on another machine.
+    let mut newer = source.create(&ctx(0, 1), &[]).unwrap();
+    read_good(&mut older, 100).await;
+    let err = older.snapshot(CheckpointId::new(2)).unwrap_err();
+    assert!(
+        matches!(err, tinyflow_api::StreamError::Fenced { .. }),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("took over"), "{err}");
+    // The newer run's dead letters go on.
+    read_to_end(&mut newer).await;
+    newer.snapshot(CheckpointId::new(3)).unwrap();
+}

@@ -105,6 +105,36 @@ const SCAN_TIMEOUT: Duration = Duration::from_secs(120);
 /// transaction a predecessor left open is aborted.
 const MIN_INIT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Whether a producer error says a newer producer with the same
+/// `transactional.id` took over: Kafka's own epoch fencing, which a newer
+/// run of the job (its `init_transactions`) sets off.
+fn is_fenced(code: Option<RDKafkaErrorCode>) -> bool {
+    matches!(
+        code,
+        Some(
+            RDKafkaErrorCode::Fenced
+                | RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+        )
+    )
+}
+
+/// A transaction step's error: [`StreamError::Fenced`] (for good: a restart
+/// would fence the newer run's producer in turn) when a newer run took the
+/// producer's `transactional.id` over, else retryable.
+fn transaction_error(name: &str, action: String, e: &KafkaError) -> StreamError {
+    if is_fenced(e.rdkafka_error_code()) {
+        StreamError::Fenced {
+            operator: name.to_owned(),
+            message: format!(
+                "a newer run of the job took over its dead-letter producer while {action} ({e}); this run stops for good"
+            ),
+        }
+    } else {
+        external(name, action, e, true)
+    }
+}
+
 /// The `transactional.id` of a source subtask's dead-letter producer.
 fn transactional_id(group: &str, operator: &str, subtask: usize) -> String {
     format!("tinyflow-dead-letter.{group}.{operator}.{subtask}")
@@ -393,14 +423,13 @@ impl DeadLetter {
         }
         if !self.in_transaction {
             self.producer.begin_transaction().map_err(|e| {
-                external(
+                transaction_error(
                     name,
                     format!(
                         "beginning a transaction on dead-letter topic {:?}",
                         self.topic
                     ),
-                    e,
-                    true,
+                    &e,
                 )
             })?;
             self.in_transaction = true;
@@ -456,11 +485,10 @@ impl DeadLetter {
             record = record.payload(&payload[..fit.value_bytes.min(payload.len())]);
         }
         send_with_room(&self.producer, record).map_err(|e| {
-            external(
+            transaction_error(
                 name,
                 format!("sending a bad record to dead-letter topic {:?}", self.topic),
-                e,
-                true,
+                &e,
             )
         })?;
         if fit.truncated {
@@ -476,14 +504,13 @@ impl DeadLetter {
     pub(crate) fn commit(&mut self, name: &str, timeout: Duration) -> StreamResult<()> {
         if self.in_transaction {
             self.producer.commit_transaction(timeout).map_err(|e| {
-                external(
+                transaction_error(
                     name,
                     format!(
                         "committing {} dead letters to topic {:?}",
                         self.sent, self.topic
                     ),
-                    e,
-                    true,
+                    &e,
                 )
             })?;
             tracing::debug!(source = %name, dead_letter = %self.topic, letters = self.sent, "dead letters committed");
