@@ -836,6 +836,14 @@ mod tests {
             "kafka".to_owned(),
             BTreeMap::from([("bids/0".to_owned(), "12".to_owned())]),
         )]);
+        let identity = Identity {
+            table_uuid: "0b5e1c44-2f5a-4b0c-9d55-0e6f4a8c3a11".to_owned(),
+            sink_id: "s".to_owned(),
+            epoch: 3,
+            committed: Some(4),
+            committed_snapshot: Some(77),
+            committed_positions: positions.clone(),
+        };
         let state = State {
             pending: BTreeMap::from([(
                 5,
@@ -845,11 +853,30 @@ mod tests {
                     positions: positions.clone(),
                 },
             )]),
+            identity: Some(identity.clone()),
         };
         let bytes = state.encode().unwrap();
         let back = State::decode(&bytes).unwrap();
         assert_eq!(back.pending[&5], state.pending[&5]);
         assert_eq!(back.pending[&5].positions, positions);
+        assert_eq!(back.identity, Some(identity));
+        // The second layout (no identity) still decodes, without one.
+        #[derive(Serialize)]
+        struct V2<'a> {
+            pending: &'a BTreeMap<u64, Staged>,
+        }
+        let mut v2 = VERSIONED.to_vec();
+        v2.push(2);
+        let v2 = postcard::to_extend(
+            &V2 {
+                pending: &state.pending,
+            },
+            v2,
+        )
+        .unwrap();
+        let back = State::decode(&v2).unwrap();
+        assert_eq!(back.pending, state.pending);
+        assert_eq!(back.identity, None);
         let mut newer = bytes.clone();
         newer[VERSIONED.len()] = STATE_VERSION + 1;
         let err = State::decode(&newer).unwrap_err();
