@@ -19,6 +19,9 @@
 //!   the older, also inside a commit, and a property test of interleaved claims and commits.
 //! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
 //!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
+//! - `kafka_secure`: the Kafka source over the broker's SASL_SSL listener: SCRAM-SHA-256/512 and
+//!   PLAIN read every record once; a wrong password, an untrusted certificate and a plaintext
+//!   client on the TLS port fail within 30 s saying which setting to check.
 //! - `kafka_dead_letter`: the dead-letter topic exactly once across crashes and restarts
 //!   (by hand, with a rescale, and through the runtime with injected failures), and bad
 //!   records too large for it sent truncated.
@@ -44,6 +47,7 @@ mod checkpoint_store;
 mod iceberg_identity;
 mod iceberg_sink;
 mod kafka_dead_letter;
+mod kafka_secure;
 mod kafka_source;
 mod kafka_source_topics;
 mod runtime_driver_thread;

@@ -15,6 +15,13 @@
 //! tells whether that broker runs
 //! and exits non-zero when it does not. The port is `--port N`, else `$TINYFLOW_KAFKA_PORT`, else
 //! 9092; each port has its own run directory, so brokers on different ports do not meet.
+//!
+//! Every broker also has a secured listener, SASL_SSL on a free port, as managed Kafka services
+//! offer: a CA and the broker's certificate (for 127.0.0.1 and localhost) are made with the JDK's
+//! `keytool` when the data directory is formatted, and the SCRAM-SHA-256/512 user
+//! [`SASL_USER`] is created then (PLAIN takes it too). `start --secured` also prints
+//! `KAFKA_SASL_SSL_BOOTSTRAP=`, `KAFKA_SSL_CA=` (the CA's PEM file), `KAFKA_SASL_USERNAME=` and
+//! `KAFKA_SASL_PASSWORD=` lines, which `run-<port>/secured.env` holds as well.
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, ErrorKind};
@@ -28,6 +35,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 
 const DEFAULT_PORT: u16 = 9092;
+/// The test user of the secured listener (SCRAM-SHA-256, SCRAM-SHA-512 and PLAIN).
+pub(crate) const SASL_USER: &str = "tinyflow";
+/// Its password: a loopback broker for tests, so a fixed one.
+const SASL_PASSWORD: &str = "tinyflow-test-secret";
+/// The password of the broker's and the CA's PKCS12 stores.
+const KEYSTORE_PASSWORD: &str = "tinyflow-keystore";
+/// The secured listener's settings for clients, written at format time.
+const SECURED_ENV: &str = "secured.env";
 /// Fully qualified, so `mvn` needs no plugin-prefix lookup and the version is pinned.
 const COPY_DEPENDENCIES: &str =
     "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies";
@@ -58,7 +73,15 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
     let (action, port) = parse_args(args, std::env::var("TINYFLOW_KAFKA_PORT").ok())?;
     let layout = Layout::new(port)?;
     match action {
-        Action::Start => start(&layout, Data::Fresh),
+        Action::Start => {
+            start(&layout, Data::Fresh)?;
+            if args.iter().any(|a| a == "--secured") {
+                for (k, v) in secured_env(&layout)? {
+                    println!("{k}={v}");
+                }
+            }
+            Ok(())
+        }
         Action::Stop => stop(&layout),
         Action::Restart => {
             stop(&layout)?;
@@ -87,6 +110,9 @@ pub(crate) struct CiBroker {
     layout: Option<Layout>,
     /// `host:port` for the tests' `KAFKA_BOOTSTRAP`.
     pub(crate) bootstrap: String,
+    /// The secured listener's variables for the tests (`KAFKA_SASL_SSL_BOOTSTRAP`, ...); empty
+    /// for a broker `KAFKA_BOOTSTRAP` names, whose tests take them from the environment.
+    pub(crate) secured: Vec<(String, String)>,
 }
 
 impl CiBroker {
@@ -96,6 +122,7 @@ impl CiBroker {
             return Ok(CiBroker {
                 layout: None,
                 bootstrap: given,
+                secured: Vec::new(),
             });
         }
         let (_, port) = parse_args(
@@ -106,9 +133,11 @@ impl CiBroker {
         let ours = !matches!(broker_state(&layout)?, BrokerState::Running(_));
         start(&layout, Data::Fresh)?;
         let bootstrap = layout.address().to_string();
+        let secured = secured_env(&layout)?;
         Ok(CiBroker {
             layout: ours.then_some(layout),
             bootstrap,
+            secured,
         })
     }
 }
@@ -139,8 +168,7 @@ enum Action {
 }
 
 fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)> {
-    let usage =
-        "usage: cargo xtask kafka <start|stop|kill|restart|resume|discard|status> [--port N]";
+    let usage = "usage: cargo xtask kafka <start|stop|kill|restart|resume|discard|status> [--port N] [--secured]";
     let action = match args.first().map(String::as_str) {
         Some("start") => Action::Start,
         Some("stop") => Action::Stop,
@@ -152,7 +180,7 @@ fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)
         other => bail!("unknown or missing kafka command {other:?}; {usage}"),
     };
     let mut port_text = None;
-    let mut rest = args[1..].iter();
+    let mut rest = args[1..].iter().filter(|a| *a != "--secured");
     while let Some(arg) = rest.next() {
         if arg == "--port" {
             port_text = Some(rest.next().context("--port needs a value")?.clone());
@@ -319,10 +347,44 @@ fn format_data_dir(layout: &Layout, classpath: &str, log4j: &str) -> Result<()> 
     let data_dir = layout.run_dir.join("data");
     fs::create_dir_all(&data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
     let controller_port = free_port()?;
+    let sasl_ssl_port = free_port()?;
+    let (keystore, ca) = make_certificates(&layout.run_dir)?;
     let template_path = layout.assets.join("server.properties.in");
     let template = fs::read_to_string(&template_path)
         .with_context(|| format!("reading {}", template_path.display()))?;
-    let properties = render_properties(&template, layout.port, controller_port, &data_dir)?;
+    let data = data_dir
+        .to_str()
+        .context("the Kafka data directory path is not UTF-8")?;
+    let keystore_text = keystore
+        .to_str()
+        .context("the run directory path is not UTF-8")?;
+    let properties = render_properties(
+        &template,
+        &[
+            ("PORT", layout.port.to_string()),
+            ("CONTROLLER_PORT", controller_port.to_string()),
+            ("SASL_SSL_PORT", sasl_ssl_port.to_string()),
+            ("DATA", data.to_owned()),
+            ("KEYSTORE", keystore_text.to_owned()),
+            ("KEYSTORE_PASSWORD", KEYSTORE_PASSWORD.to_owned()),
+            ("SASL_USER", SASL_USER.to_owned()),
+            ("SASL_PASSWORD", SASL_PASSWORD.to_owned()),
+        ],
+    )?;
+    let env = [
+        (
+            "KAFKA_SASL_SSL_BOOTSTRAP",
+            format!("127.0.0.1:{sasl_ssl_port}"),
+        ),
+        ("KAFKA_SSL_CA", ca.display().to_string()),
+        ("KAFKA_SASL_USERNAME", SASL_USER.to_owned()),
+        ("KAFKA_SASL_PASSWORD", SASL_PASSWORD.to_owned()),
+    ]
+    .iter()
+    .map(|(k, v)| format!("{k}={v}\n"))
+    .collect::<String>();
+    let env_path = layout.run_dir.join(SECURED_ENV);
+    fs::write(&env_path, env).with_context(|| format!("writing {}", env_path.display()))?;
     let properties_path = layout.run_dir.join("server.properties");
     fs::write(&properties_path, properties)
         .with_context(|| format!("writing {}", properties_path.display()))?;
@@ -339,6 +401,8 @@ fn format_data_dir(layout: &Layout, classpath: &str, log4j: &str) -> Result<()> 
         .args(TOOL_JVM_OPTS)
         .arg(log4j)
         .args(["kafka.tools.StorageTool", "format", "--standalone"])
+        .args(["--add-scram", &scram("SCRAM-SHA-256")])
+        .args(["--add-scram", &scram("SCRAM-SHA-512")])
         .args(["--cluster-id", &cluster_id, "--config"])
         .arg(&properties_path)
         .stdin(Stdio::null())
@@ -748,19 +812,11 @@ pub(crate) fn wait_with_progress(mut child: Child, what: &str) -> Result<ExitSta
 }
 
 /// Fills in server.properties.in; fails if a placeholder is left.
-fn render_properties(
-    template: &str,
-    port: u16,
-    controller_port: u16,
-    data_dir: &Path,
-) -> Result<String> {
-    let data = data_dir
-        .to_str()
-        .context("the Kafka data directory path is not UTF-8")?;
-    let rendered = template
-        .replace("@PORT@", &port.to_string())
-        .replace("@CONTROLLER_PORT@", &controller_port.to_string())
-        .replace("@DATA@", data);
+fn render_properties(template: &str, values: &[(&str, String)]) -> Result<String> {
+    let mut rendered = template.to_owned();
+    for (name, value) in values {
+        rendered = rendered.replace(&format!("@{name}@"), value);
+    }
     if let Some(line) = rendered
         .lines()
         .find(|line| !line.trim_start().starts_with('#') && line.contains('@'))
@@ -768,6 +824,182 @@ fn render_properties(
         bail!("server.properties.in has a placeholder xtask does not fill: {line:?}");
     }
     Ok(rendered)
+}
+
+/// The storage tool's argument that creates the test user for `mechanism`.
+fn scram(mechanism: &str) -> String {
+    format!("{mechanism}=[name={SASL_USER},password={SASL_PASSWORD}]")
+}
+
+/// The secured listener's variables, from the run directory.
+fn secured_env(layout: &Layout) -> Result<Vec<(String, String)>> {
+    let path = layout.run_dir.join(SECURED_ENV);
+    let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect())
+}
+
+/// A CA and a broker certificate it signs (for 127.0.0.1 and localhost), made with the JDK's
+/// `keytool` in `dir`: the broker's PKCS12 keystore and the CA's PEM file for clients.
+fn make_certificates(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let ca_store = dir.join("ca.p12");
+    let ca_pem = dir.join("ca.pem");
+    let keystore = dir.join("broker.p12");
+    let csr = dir.join("broker.csr");
+    let signed = dir.join("broker.pem");
+    let path = |p: &Path| p.to_str().map(str::to_owned).context("a path is not UTF-8");
+    let pass = KEYSTORE_PASSWORD;
+    let san = "SAN=ip:127.0.0.1,dns:localhost";
+    let steps: Vec<Vec<String>> = vec![
+        vec![
+            "-genkeypair",
+            "-alias",
+            "ca",
+            "-keyalg",
+            "RSA",
+            "-keysize",
+            "2048",
+            "-validity",
+            "3650",
+            "-dname",
+            "CN=tinyflow test CA",
+            "-ext",
+            "bc:c",
+            "-storetype",
+            "PKCS12",
+            "-keystore",
+            &path(&ca_store)?,
+            "-storepass",
+            pass,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        vec![
+            "-exportcert",
+            "-rfc",
+            "-alias",
+            "ca",
+            "-keystore",
+            &path(&ca_store)?,
+            "-storepass",
+            pass,
+            "-file",
+            &path(&ca_pem)?,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        vec![
+            "-genkeypair",
+            "-alias",
+            "broker",
+            "-keyalg",
+            "RSA",
+            "-keysize",
+            "2048",
+            "-validity",
+            "3650",
+            "-dname",
+            "CN=localhost",
+            "-ext",
+            san,
+            "-storetype",
+            "PKCS12",
+            "-keystore",
+            &path(&keystore)?,
+            "-storepass",
+            pass,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        vec![
+            "-certreq",
+            "-alias",
+            "broker",
+            "-keystore",
+            &path(&keystore)?,
+            "-storepass",
+            pass,
+            "-file",
+            &path(&csr)?,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        vec![
+            "-gencert",
+            "-alias",
+            "ca",
+            "-keystore",
+            &path(&ca_store)?,
+            "-storepass",
+            pass,
+            "-infile",
+            &path(&csr)?,
+            "-outfile",
+            &path(&signed)?,
+            "-rfc",
+            "-validity",
+            "3650",
+            "-ext",
+            san,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        vec![
+            "-importcert",
+            "-noprompt",
+            "-alias",
+            "ca",
+            "-file",
+            &path(&ca_pem)?,
+            "-keystore",
+            &path(&keystore)?,
+            "-storepass",
+            pass,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+        vec![
+            "-importcert",
+            "-noprompt",
+            "-alias",
+            "broker",
+            "-file",
+            &path(&signed)?,
+            "-keystore",
+            &path(&keystore)?,
+            "-storepass",
+            pass,
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .collect(),
+    ];
+    for args in steps {
+        let output = Command::new("keytool")
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .context("running keytool (the JDK's; is a JDK on PATH?)")?;
+        if !output.status.success() {
+            bail!(
+                "keytool {} failed ({}): {}{}",
+                args[0],
+                output.status,
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+    }
+    Ok((keystore, ca_pem))
 }
 
 /// A free loopback port for the controller listener, which no client uses.
@@ -885,16 +1117,28 @@ mod tests {
     #[test]
     fn the_shipped_template_renders_completely() {
         let template = include_str!("../../tools/kafka/server.properties.in");
-        let rendered =
-            render_properties(template, 19092, 40001, Path::new("/tmp/kafka/data")).unwrap();
-        assert!(
-            rendered
-                .contains("listeners=PLAINTEXT://127.0.0.1:19092,CONTROLLER://127.0.0.1:40001\n")
-        );
-        assert!(rendered.contains("advertised.listeners=PLAINTEXT://127.0.0.1:19092\n"));
+        let values = [
+            ("PORT", "19092".to_owned()),
+            ("CONTROLLER_PORT", "40001".to_owned()),
+            ("SASL_SSL_PORT", "40002".to_owned()),
+            ("DATA", "/tmp/kafka/data".to_owned()),
+            ("KEYSTORE", "/tmp/kafka/broker.p12".to_owned()),
+            ("KEYSTORE_PASSWORD", "pw".to_owned()),
+            ("SASL_USER", "u".to_owned()),
+            ("SASL_PASSWORD", "p".to_owned()),
+        ];
+        let rendered = render_properties(template, &values).unwrap();
+        assert!(rendered.contains(
+            "listeners=PLAINTEXT://127.0.0.1:19092,CONTROLLER://127.0.0.1:40001,SASL_SSL://127.0.0.1:40002\n"
+        ));
+        assert!(rendered.contains(
+            "advertised.listeners=PLAINTEXT://127.0.0.1:19092,SASL_SSL://127.0.0.1:40002\n"
+        ));
         assert!(rendered.contains("controller.quorum.bootstrap.servers=127.0.0.1:40001\n"));
         assert!(rendered.contains("log.dirs=/tmp/kafka/data\n"));
-        assert!(render_properties("x=@OTHER@\n", 1, 2, Path::new("/d")).is_err());
+        assert!(rendered.contains("ssl.keystore.location=/tmp/kafka/broker.p12\n"));
+        assert!(rendered.contains("user_u=\"p\";"));
+        assert!(render_properties("x=@OTHER@\n", &values).is_err());
     }
 
     #[test]

@@ -115,9 +115,12 @@ fn ci() -> Result<()> {
     let rest = java::ci_start(&rest::SPEC)?;
     // An S3 server, for tables whose files live on S3.
     let s3 = java::ci_start(&s3::SPEC)?;
+    let mut tests = cargo(&["test", "--workspace", "--all-targets", "--all-features"]);
+    // The secured listener's address, CA and user, for the TLS and SASL tests.
+    tests.envs(broker.secured.iter().map(|(k, v)| (k, v)));
     run_tests(
         "tests",
-        cargo(&["test", "--workspace", "--all-targets", "--all-features"])
+        tests
             .env("KAFKA_BOOTSTRAP", &broker.bootstrap)
             .env("TINYFLOW_POSTGRES_URL", &postgres.url)
             .env("TINYFLOW_REST_CATALOG_URL", &rest.url)

@@ -77,6 +77,9 @@ pub(crate) type Partition = (Arc<str>, i32);
 /// why.
 pub(crate) struct SourceContext {
     last_error: std::sync::Mutex<Option<String>>,
+    /// The last error that says the security settings do not fit the
+    /// broker (see [`security_problem`]): retrying never mends it.
+    security: std::sync::Mutex<Option<String>>,
     /// (committed end, log end) per partition the consumer fetches, from
     /// librdkafka's statistics (once a second): the last stable offset and
     /// the high watermark.
@@ -90,6 +93,7 @@ impl Default for SourceContext {
     fn default() -> Self {
         SourceContext {
             last_error: std::sync::Mutex::new(None),
+            security: std::sync::Mutex::new(None),
             ends: std::sync::Mutex::new(HashMap::new()),
             lag: metrics::Gauge::noop(),
         }
@@ -113,6 +117,12 @@ impl ClientContext for SourceContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
         if (level as i32) <= (RDKafkaLogLevel::Warning as i32) {
             tracing::warn!(facility = fac, "librdkafka: {message}");
+            // A protocol mismatch comes as a log line only (the error is a
+            // plain transport failure).
+            if message.contains("incorrect security.protocol") {
+                *self.security.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(format!("{PROTOCOL_MISMATCH}: {message}"));
+            }
             *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(message.to_owned());
         } else {
             tracing::debug!(facility = fac, "librdkafka: {message}");
@@ -121,6 +131,10 @@ impl ClientContext for SourceContext {
 
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::warn!(%error, reason, "kafka client error");
+        if let Some(what) = security_problem(&error, reason) {
+            *self.security.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(format!("{what}: {reason}"));
+        }
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(format!("{error}: {reason}"));
     }
@@ -148,7 +162,74 @@ impl ClientContext for SourceContext {
 
 impl ConsumerContext for SourceContext {}
 
+/// Whether the listener at `host:port` answers a TLS hello with a TLS
+/// record (a handshake or an alert): a TLS listener, which a plaintext
+/// client would wait on forever. A plaintext Kafka listener takes the hello
+/// for the start of a long request and says nothing.
+fn speaks_tls(address: &str) -> bool {
+    use std::io::{Read, Write};
+    use std::net::ToSocketAddrs;
+    let Some(addr) = address.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return false;
+    };
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    // A TLS 1.2 ClientHello: one cipher suite, no extensions. Whether the
+    // listener accepts it does not matter; that it answers in TLS does.
+    let mut hello = vec![0x03, 0x03];
+    hello.extend_from_slice(&[0x5a; 32]); // random
+    hello.push(0); // no session id
+    hello.extend_from_slice(&[0x00, 0x02, 0xc0, 0x2f]); // ECDHE-RSA-AES128-GCM-SHA256
+    hello.extend_from_slice(&[0x01, 0x00]); // no compression
+    let mut handshake = vec![0x01, 0x00];
+    handshake.extend_from_slice(&(hello.len() as u16).to_be_bytes());
+    handshake.extend_from_slice(&hello);
+    let mut record = vec![0x16, 0x03, 0x01];
+    record.extend_from_slice(&(handshake.len() as u16).to_be_bytes());
+    record.extend_from_slice(&handshake);
+    if stream.write_all(&record).is_err() {
+        return false;
+    }
+    let mut answer = [0u8; 2];
+    matches!(stream.read_exact(&mut answer), Ok(()) if matches!(answer, [0x15 | 0x16, 0x03]))
+}
+
+/// What a plaintext client on a TLS listener (or the other way round) is
+/// told.
+const PROTOCOL_MISMATCH: &str = "the broker's listener speaks another protocol: check security.protocol (SSL or SASL_SSL for a TLS listener)";
+
+/// Whether a client error says the security settings do not fit the
+/// broker, and what to check: wrong credentials, a certificate not trusted,
+/// a TLS handshake that fails, a plaintext client on a TLS listener.
+/// Retrying never mends these, so they fail the job at once.
+pub(crate) fn security_problem(error: &KafkaError, reason: &str) -> Option<&'static str> {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    match error.rdkafka_error_code() {
+        Some(C::Authentication | C::SaslAuthenticationFailed) => {
+            Some("authentication failed: check sasl.mechanism, sasl.username and sasl.password")
+        }
+        Some(C::SSL) if reason.contains("certificate verify failed") => Some(
+            "the broker's certificate is not trusted: check ssl.ca.location (the CA that signed it)",
+        ),
+        Some(C::SSL) => Some(
+            "the TLS handshake with the broker failed: check security.protocol and the listener's port",
+        ),
+        _ if reason.contains("incorrect security.protocol") => Some(PROTOCOL_MISMATCH),
+        _ => None,
+    }
+}
+
 impl SourceContext {
+    /// The security problem the client reported, if any.
+    pub(crate) fn security(&self) -> Option<String> {
+        self.security
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// (committed end, log end) per partition, as last reported.
     fn ends(&self) -> HashMap<(String, i32), (i64, i64)> {
         self.ends.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -215,6 +296,14 @@ impl KafkaSourceConfig {
         for (k, v) in fixed {
             cc.set(*k, *v);
         }
+        // Whatever prints through `secrets::scrub` (the `tinyflow` command's
+        // logs and errors) never shows these values, even where librdkafka
+        // quotes them back.
+        tinyflow_api::secrets::register_settings(
+            self.properties
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str())),
+        );
         for (k, v) in &self.properties {
             cc.set(k, v);
         }
@@ -236,8 +325,10 @@ impl KafkaSourceConfig {
         StreamError::Config {
             key: "source.properties",
             message: format!(
-                "{name}: the kafka {client} rejected its configuration ({}): {e}",
-                shown.join(", ")
+                "{name}: the kafka {client} rejected its configuration ({}): {}",
+                shown.join(", "),
+                // librdkafka quotes a value it refuses.
+                tinyflow_api::secrets::scrub(&e.to_string())
             ),
         }
     }
@@ -261,23 +352,77 @@ impl KafkaSourceConfig {
             .map_err(|e| self.rejected(name, "consumer", e))
     }
 
+    /// The metadata of `topic`, asked for in tries of at most a second
+    /// up to `request_timeout`, so that a security problem the client
+    /// reports meanwhile (wrong credentials, an untrusted certificate, a
+    /// protocol mismatch) fails at once, naming it, and for good.
+    fn fetch_metadata(
+        &self,
+        consumer: &KafkaConsumer,
+        name: &str,
+        topic: &str,
+    ) -> StreamResult<rdkafka::metadata::Metadata> {
+        let deadline = Instant::now() + self.request_timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let tried = consumer.fetch_metadata(Some(topic), left.min(Duration::from_secs(1)));
+            let e = match tried {
+                Ok(md) => return Ok(md),
+                Err(e) => e,
+            };
+            // Client errors arrive as events on the consumer's queue.
+            let why = why(consumer);
+            if let Some(problem) = consumer.context().security() {
+                return Err(StreamError::Config {
+                    key: "source.properties",
+                    message: format!(
+                        "{name}: cannot connect to {}: {problem}",
+                        self.bootstrap_servers
+                    ),
+                });
+            }
+            if Instant::now() >= deadline {
+                // A plaintext client on a TLS listener gets no answer at
+                // all (the listener waits for the rest of a TLS record):
+                // ask the listener in TLS whether it speaks it.
+                let protocol = self
+                    .properties
+                    .get("security.protocol")
+                    .map_or("plaintext", String::as_str)
+                    .to_ascii_lowercase();
+                if protocol.ends_with("plaintext")
+                    && let Some(at) = self
+                        .bootstrap_servers
+                        .split(',')
+                        .map(str::trim)
+                        .find(|a| speaks_tls(a))
+                {
+                    return Err(StreamError::Config {
+                        key: "source.properties",
+                        message: format!(
+                            "{name}: cannot connect to {}: {PROTOCOL_MISMATCH}: {at} answers in TLS, and security.protocol is {protocol}",
+                            self.bootstrap_servers
+                        ),
+                    });
+                }
+                return Err(external(
+                    name,
+                    format!(
+                        "fetching metadata of topic {topic:?} from {}",
+                        self.bootstrap_servers
+                    ),
+                    format!("{e}{why}"),
+                    true,
+                ));
+            }
+        }
+    }
+
     /// Every partition of the configured topics, sorted.
     fn partitions(&self, consumer: &KafkaConsumer, name: &str) -> StreamResult<Vec<Partition>> {
         let mut all = Vec::new();
         for topic in &self.topics {
-            let md = consumer
-                .fetch_metadata(Some(topic), self.request_timeout)
-                .map_err(|e| {
-                    external(
-                        name,
-                        format!(
-                            "fetching metadata of topic {topic:?} from {}",
-                            self.bootstrap_servers
-                        ),
-                        format!("{e}{}", why(consumer)),
-                        true,
-                    )
-                })?;
+            let md = self.fetch_metadata(consumer, name, topic)?;
             let t = md.topics().iter().find(|t| t.name() == topic);
             match t {
                 Some(t) if t.error().is_none() && !t.partitions().is_empty() => {

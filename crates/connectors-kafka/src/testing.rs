@@ -25,6 +25,43 @@ pub fn bootstrap() -> String {
     })
 }
 
+/// The broker's secured listener (SASL_SSL): what `cargo xtask kafka start
+/// --secured` prints and `cargo xtask ci` exports.
+#[derive(Debug, Clone)]
+pub struct Secured {
+    /// `host:port` of the SASL_SSL listener (`KAFKA_SASL_SSL_BOOTSTRAP`).
+    pub bootstrap: String,
+    /// The PEM file of the CA that signed the broker's certificate
+    /// (`KAFKA_SSL_CA`).
+    pub ca: String,
+    /// A SCRAM-SHA-256/512 (and PLAIN) user (`KAFKA_SASL_USERNAME`).
+    pub username: String,
+    /// Its password (`KAFKA_SASL_PASSWORD`).
+    pub password: String,
+}
+
+/// The secured listener of the test broker.
+///
+/// # Panics
+/// When a variable is not set: a test that needs it fails loudly rather
+/// than skipping.
+pub fn secured() -> Secured {
+    let var = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!(
+                "{name} is not set: these tests need the broker's SASL_SSL listener. \
+                 Run `cargo xtask ci` (it starts the broker with one), or `cargo xtask kafka start --secured` and export the lines it prints"
+            )
+        })
+    };
+    Secured {
+        bootstrap: var("KAFKA_SASL_SSL_BOOTSTRAP"),
+        ca: var("KAFKA_SSL_CA"),
+        username: var("KAFKA_SASL_USERNAME"),
+        password: var("KAFKA_SASL_PASSWORD"),
+    }
+}
+
 /// Creates `topic` with `partitions` partitions (replication 1).
 pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> Result<(), String> {
     create_topic_with(bootstrap, topic, partitions, &[]).await
