@@ -53,8 +53,22 @@ fn records_in(consumer: &BaseConsumer, topic: &str, partitions: i32) -> Result<u
 /// (round-robin), reused when a previous run left it complete; progress is
 /// printed while producing.
 pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<BidsTopic, String> {
+    ensure_bids_topic_compressed(bootstrap, n, partitions, None)
+}
+
+/// As [`ensure_bids_topic`], produced with `compression.type = codec`
+/// (a topic of its own per codec).
+pub fn ensure_bids_topic_compressed(
+    bootstrap: &str,
+    n: u64,
+    partitions: i32,
+    codec: Option<&str>,
+) -> Result<BidsTopic, String> {
     // `v2`: bids carry a sequence number `id` (topics of earlier versions did not).
-    let name = format!("tinyflow-bench-bids-v2-{n}-p{partitions}");
+    let name = match codec {
+        Some(c) => format!("tinyflow-bench-bids-v2-{n}-p{partitions}-{c}"),
+        None => format!("tinyflow-bench-bids-v2-{n}-p{partitions}"),
+    };
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
@@ -101,7 +115,10 @@ pub fn ensure_bids_topic(bootstrap: &str, n: u64, partitions: i32) -> Result<Bid
             let value = serde_json::to_vec(&bid).expect("a bid serialises");
             ((i as u64 % partitions as u64) as i32, value)
         });
-    let settings = [("linger.ms", "20"), ("batch.size", "1000000")];
+    let mut settings = vec![("linger.ms", "20"), ("batch.size", "1000000")];
+    if let Some(c) = codec {
+        settings.push(("compression.type", c));
+    }
     tinyflow_connectors_kafka::testing::produce_stream(bootstrap, &name, &settings, values)?;
     let found = records_in(&consumer, &name, partitions)?;
     if found != n {

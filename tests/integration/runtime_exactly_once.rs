@@ -395,6 +395,77 @@ async fn job_fails_with_the_root_cause_when_restarts_run_out() {
     assert!(sink.committed().is_empty());
 }
 
+/// The restart budget bounds failures in a row, not over a job's life: an
+/// attempt that ran longer than the reset period before it failed gives the
+/// budget back. Two quick failures, one after a long run, two quick ones,
+/// then success: six attempts with `max_attempts = 3`, which without the
+/// reset fail the job at its fourth attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_stable_run_gives_the_restart_budget_back() {
+    quiet_injected_panics();
+    for reset in [Some(ms(300)), None] {
+        let plan = Arc::new(std::sync::Mutex::new((0u32, None::<Instant>)));
+        let sink = CollectingSink::<u64>::new();
+        let job = JobBuilder::new(JobId::new("budget").unwrap());
+        let p = Arc::clone(&plan);
+        job.source(
+            "numbers",
+            1,
+            VecSource::new(vec![(0..400u64).collect()])
+                .batch_size(1)
+                .pause(ms(5)),
+        )
+        .map("flaky", move |n: u64| -> u64 {
+            let mut guard = p.lock().unwrap();
+            let (failed, since) = &mut *guard;
+            let started = *since.get_or_insert_with(Instant::now);
+            let fail = match *failed {
+                // Quick failures.
+                0 | 1 | 3 | 4 => true,
+                // A long, stable attempt, then a failure.
+                2 => started.elapsed() >= ms(600),
+                _ => false,
+            };
+            if fail {
+                *failed += 1;
+                *since = None;
+                drop(guard);
+                panic!("{INJECTED}: a planned failure at {n}");
+            }
+            n
+        })
+        .sink("out", 1, sink.clone());
+        let mut cfg = config(10);
+        cfg.restart = RestartStrategy::FixedDelay {
+            delay: ms(10),
+            max_attempts: 3,
+        };
+        let ran = JobRunner::new(
+            job.build().unwrap(),
+            Arc::new(MemoryCheckpointStore::new()),
+            cfg,
+        )
+        .with_restart_budget_reset(reset)
+        .run()
+        .await;
+        match reset {
+            Some(_) => {
+                let report = ran.unwrap();
+                assert_eq!(report.attempts, 6, "{report:?}");
+                let mut got = sink.committed();
+                got.sort_unstable();
+                assert_eq!(got, (0..400).collect::<Vec<_>>());
+            }
+            None => {
+                let Err(Error::JobFailed { attempts, .. }) = ran else {
+                    panic!("without the reset the job should fail: {ran:?}")
+                };
+                assert_eq!(attempts, 4, "the 4th failure is past 3 restarts");
+            }
+        }
+    }
+}
+
 /// Passes records through; panics while taking its `at`-th snapshot, that
 /// is right after aligning the barriers of its three inputs, once.
 struct FailOnSnapshot {

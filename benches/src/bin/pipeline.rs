@@ -31,7 +31,12 @@
 //! `cargo xtask kafka start`, export the line it prints, then
 //! `cargo run --release -p tinyflow-benches --bin pipeline -- [--records N]
 //! [--partitions N] [--latency-rate N] [--latency-secs N] [--skip-python] [--only N]...
-//! [--source-props k=v,...] [--batch-size N]`. `TINYFLOW_LOG=info` (an
+//! [--source-props k=v,...] [--batch-size N] [--compression CODEC] [--sasl-ssl]`.
+//! `--compression zstd` reads a topic produced with that codec (a topic of
+//! its own); `--sasl-ssl` reads over the broker's SASL_SSL listener with
+//! SCRAM-SHA-512 (`cargo xtask kafka start --secured` and export its lines),
+//! the bare consume loop as well, so that each ratio compares like with
+//! like. `TINYFLOW_LOG=info` (an
 //! env filter) prints the job's logs on stderr: each checkpoint's duration
 //! and each commit.
 
@@ -55,8 +60,8 @@ use arrow_schema::{DataType, Field, Schema};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parquet::arrow::ArrowWriter;
 use tinyflow_benches::kafka::{
-    BidsTopic, CpuMeter, CpuUse, bare_consume, bootstrap, ensure_bids_topic, peak_rss_mb,
-    reset_peak_rss,
+    BidsTopic, CpuMeter, CpuUse, bare_consume, bootstrap, ensure_bids_topic_compressed,
+    peak_rss_mb, reset_peak_rss,
 };
 use tinyflow_benches::sink_writer_properties;
 use tinyflow_cli::JobFile;
@@ -76,6 +81,10 @@ struct Args {
     source_props: String,
     /// `source.batch_size` of the job (default: the source's).
     batch_size: Option<u64>,
+    /// The topic's producer codec (`--compression`).
+    compression: Option<String>,
+    /// Read over the SASL_SSL listener (`--sasl-ssl`).
+    sasl_ssl: bool,
 }
 
 fn parse_args() -> Args {
@@ -88,6 +97,8 @@ fn parse_args() -> Args {
         only: Vec::new(),
         source_props: String::new(),
         batch_size: None,
+        compression: None,
+        sasl_ssl: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -97,6 +108,17 @@ fn parse_args() -> Args {
         }
         if flag == "--skip-python" {
             a.python = false;
+            continue;
+        }
+        if flag == "--sasl-ssl" {
+            a.sasl_ssl = true;
+            continue;
+        }
+        if flag == "--compression" {
+            a.compression = Some(
+                it.next()
+                    .unwrap_or_else(|| usage_error("--compression needs a codec")),
+            );
             continue;
         }
         if flag == "--source-props" {
@@ -123,8 +145,9 @@ fn parse_args() -> Args {
 }
 
 const USAGE: &str = "usage: pipeline [--records N] [--partitions N] [--latency-rate N] \
-[--latency-secs N] [--skip-python] [--only 1..6]... [--source-props k=v,...] [--batch-size N]
-(start the broker with `cargo xtask kafka start` and export the line it prints first)";
+[--latency-secs N] [--skip-python] [--only 1..6]... [--source-props k=v,...] [--batch-size N] \
+[--compression gzip|snappy|lz4|zstd] [--sasl-ssl]
+(start the broker with `cargo xtask kafka start --secured` and export the lines it prints first)";
 
 /// The options that take a whole number.
 const NUMERIC: [&str; 6] = [
@@ -143,6 +166,8 @@ fn usage_error(what: &str) -> ! {
 
 /// Settings of the job variants beyond the defaults.
 struct Knobs {
+    /// Where the job reads.
+    bootstrap: String,
     /// librdkafka settings, `k=v,k=v`.
     props: String,
     /// `source.batch_size`.
@@ -331,7 +356,7 @@ dir = "{dir}/checkpoints"
 [restart]
 strategy = "none"
 "#,
-        bootstrap = bootstrap(),
+        bootstrap = knobs.bootstrap,
         fields = fields.join("\n"),
         props = props.join(", "),
         batch = knobs
@@ -631,7 +656,27 @@ fn main() {
             .init();
     }
     let handle = tinyflow_cli::install_metrics(None).unwrap();
-    let topic = ensure_bids_topic(&bootstrap(), a.records, a.partitions).unwrap();
+    let topic = ensure_bids_topic_compressed(
+        &bootstrap(),
+        a.records,
+        a.partitions,
+        a.compression.as_deref(),
+    )
+    .unwrap();
+    // Over the SASL_SSL listener: the job and the bare loop alike.
+    let secured = a.sasl_ssl.then(tinyflow_connectors_kafka::testing::secured);
+    let security: Vec<(String, String)> = secured
+        .as_ref()
+        .map(|s| {
+            vec![
+                ("security.protocol".to_owned(), "SASL_SSL".to_owned()),
+                ("sasl.mechanism".to_owned(), "SCRAM-SHA-512".to_owned()),
+                ("sasl.username".to_owned(), s.username.clone()),
+                ("sasl.password".to_owned(), s.password.clone()),
+                ("ssl.ca.location".to_owned(), s.ca.clone()),
+            ]
+        })
+        .unwrap_or_default();
     let n = topic.records;
     let tmp = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -640,20 +685,41 @@ fn main() {
         .unwrap();
     let _guard = rt.enter();
     println!(
-        "pipeline bench: {n} Nexmark bids as JSON in {} ({} partitions)",
-        topic.name, topic.partitions
+        "pipeline bench: {n} Nexmark bids as JSON in {} ({} partitions), read over {}",
+        topic.name,
+        topic.partitions,
+        if a.sasl_ssl {
+            "SASL_SSL (SCRAM-SHA-512)"
+        } else {
+            "PLAINTEXT"
+        }
     );
 
     let on = |v: u64| a.only.is_empty() || a.only.contains(&v);
+    let mut props: Vec<String> = security.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    props.extend(
+        a.source_props
+            .split(',')
+            .filter(|kv| !kv.is_empty())
+            .map(str::to_owned),
+    );
     let knobs = Knobs {
-        props: a.source_props.clone(),
+        bootstrap: secured
+            .as_ref()
+            .map_or_else(bootstrap, |s| s.bootstrap.clone()),
+        props: props.join(","),
         batch_size: a.batch_size,
     };
+    let mut bare_settings: Vec<(&str, &str)> = DEFAULT_CLIENT_SETTINGS.to_vec();
+    bare_settings.extend(security.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    if let Some(s) = &secured {
+        bare_settings.push(("bootstrap.servers", s.bootstrap.as_str()));
+    }
     let props = &knobs;
     let bare = on(1).then(|| {
         eprintln!("(1) bare consume ...");
         let cpu = CpuMeter::start();
-        let b = bare_consume(&topic, DEFAULT_CLIENT_SETTINGS);
+        let b = bare_consume(&topic, &bare_settings);
         Figure {
             events: b.records,
             secs: b.secs,
@@ -691,7 +757,7 @@ fn main() {
         eprintln!("(2) bare decode + parquet ...");
         decode_and_write(n, tmp.path())
     });
-    let py = if a.python && on(5) {
+    let py = if a.python && !a.sasl_ssl && on(5) {
         eprintln!("(5) Python loop ...");
         python(&topic, n, &tmp.path().join("python"))
     } else {

@@ -30,6 +30,7 @@ mod error;
 mod ids;
 mod job;
 mod operator;
+pub mod secrets;
 mod window;
 
 #[cfg(feature = "testing")]

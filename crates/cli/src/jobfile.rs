@@ -279,13 +279,17 @@ pub struct CheckpointSection {
 pub struct RestartSection {
     /// `exponential` (default), `fixed` or `none`.
     pub strategy: Option<String>,
-    /// Restarts allowed (default 10).
+    /// Restarts allowed in a row (default 5): an attempt that ran
+    /// `reset_after` before it failed gives the whole budget back.
     pub max_attempts: Option<u32>,
+    /// How long an attempt must run before its failure no longer counts
+    /// against `max_attempts` (default `10m`).
+    pub reset_after: Option<String>,
     /// `fixed`: pause before each restart (default `1s`).
     pub delay: Option<String>,
     /// `exponential`: first pause (default `500ms`).
     pub initial: Option<String>,
-    /// `exponential`: longest pause (default `60s`).
+    /// `exponential`: longest pause (default `30s`).
     pub max: Option<String>,
     /// `exponential`: growth factor (default 2).
     pub multiplier: Option<f64>,
@@ -307,7 +311,22 @@ pub struct MetricsSection {
 impl JobFile {
     /// Parses a job file's text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<JobFile, JobFileError> {
-        toml::from_str(text).map_err(|e| {
+        Self::parse_with(text, origin, &|name| std::env::var(name).ok())
+    }
+
+    /// [`JobFile::parse`] with `env` for the environment: string values may
+    /// take `${NAME}`, `${NAME:-default}` (the default when `NAME` is unset
+    /// or empty) and `${file:PATH}` (the file's content, without a trailing
+    /// newline), so that secrets need not sit in the file; `$${` is a
+    /// literal `${`. Every value read this way under a key that looks
+    /// secret is registered with [`tinyflow_api::secrets`], so no output
+    /// shows it.
+    pub fn parse_with(
+        text: &str,
+        origin: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<JobFile, JobFileError> {
+        let located = |e: toml::de::Error| {
             let Some(span) = e.span() else {
                 return JobFileError::new(origin, e.message());
             };
@@ -318,7 +337,17 @@ impl JobFile {
                 format!("{origin}:{line}"),
                 format!("`{quoted}`: {}", e.message().trim()),
             )
-        })
+        };
+        // The structure first, so that errors name their line.
+        let file: JobFile = toml::from_str(text).map_err(located)?;
+        if !text.contains("${") {
+            return Ok(file);
+        }
+        let mut value: toml::Value = toml::from_str(text).map_err(located)?;
+        crate::substitute::substitute(&mut value, "", env)?;
+        value
+            .try_into()
+            .map_err(|e: toml::de::Error| JobFileError::new(origin, e.message().trim()))
     }
 
     /// Reads and parses a job file.

@@ -11,6 +11,7 @@ mod jobfile;
 pub mod jobstate;
 pub mod nexmark;
 mod plan;
+mod substitute;
 mod transform;
 
 pub use duration::{format_duration, parse_duration};
@@ -31,7 +32,9 @@ pub mod exit {
     /// The job failed (past its restart strategy, or an error no restart
     /// mends, such as a bad record under `bad_records = "fail"`).
     pub const FAILED: u8 = 1;
-    /// The job file or the command line is wrong; nothing ran.
+    /// A configuration error: the job file, the command line, or a setting
+    /// the systems it names refuse (a topic that does not exist, security
+    /// settings the broker does not accept). Restarting does not help.
     pub const USAGE: u8 = 2;
     /// Another run owns the job: a newer run of the sink fenced this one, or
     /// a run holds the checkpoint directory. Restarting this process does
@@ -42,6 +45,10 @@ pub mod exit {
     /// committed; `tinyflow inspect` shows both sides, `tinyflow reset`
     /// starts again from the table.
     pub const STATE_MISMATCH: u8 = 4;
+    /// A second SIGINT stopped the job at once, without a final checkpoint.
+    pub const FORCED_SIGINT: u8 = 130;
+    /// A second SIGTERM stopped the job at once, without a final checkpoint.
+    pub const FORCED_SIGTERM: u8 = 143;
 }
 
 /// The exit code for an error (see [`exit`]): its causes decide.
@@ -51,6 +58,7 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
             match e {
                 tinyflow_api::StreamError::Fenced { .. } => return exit::FENCED,
                 tinyflow_api::StreamError::StateMismatch { .. } => return exit::STATE_MISMATCH,
+                tinyflow_api::StreamError::Config { .. } => return exit::USAGE,
                 _ => {}
             }
         }

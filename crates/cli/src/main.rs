@@ -69,12 +69,29 @@ enum Command {
     },
 }
 
+/// Standard error with every registered secret masked
+/// ([`tinyflow_api::secrets::scrub`]): what the logs go through.
+struct ScrubbedStderr;
+
+impl std::io::Write for ScrubbedStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // The formatter writes each event whole.
+        let text = tinyflow_api::secrets::scrub(&String::from_utf8_lossy(buf));
+        std::io::stderr().write_all(text.as_bytes())?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
 fn init_tracing(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TINYFLOW_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| ScrubbedStderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
@@ -126,14 +143,14 @@ fn main() -> ExitCode {
                 tokio::pin!(run);
                 let ended = tokio::select! {
                     r = &mut run => r,
-                    () = shutdown_signal() => {
+                    _ = shutdown_signal() => {
                         tracing::info!("stopping on a signal: taking a final checkpoint and committing it (a second signal stops at once)");
                         stop.stop();
                         tokio::select! {
                             r = &mut run => r,
-                            () = shutdown_signal() => {
-                                tracing::warn!("stopping at once on a second signal; the next run goes on from the last completed checkpoint");
-                                return Ok(());
+                            signal = shutdown_signal() => {
+                                tracing::warn!(signal = signal.name(), "stopping at once on a second signal, without a final checkpoint; the next run goes on from the last completed checkpoint");
+                                return Err(anyhow::Error::new(ForcedStop(signal)));
                             }
                         }
                     }
@@ -148,7 +165,7 @@ fn main() -> ExitCode {
                     tracing::info!(%address, secs = linger.as_secs_f64(), "serving the final metrics at /metrics a while longer (metrics.linger; a signal ends it)");
                     tokio::select! {
                         () = tokio::time::sleep(linger) => {}
-                        () = shutdown_signal() => {}
+                        _ = shutdown_signal() => {}
                     }
                 }
                 let report = ended?;
@@ -189,7 +206,7 @@ fn main() -> ExitCode {
                     (None, None) => ResetTo::Table,
                 };
                 for line in reset(&plan, to).await? {
-                    println!("{line}");
+                    println!("{}", tinyflow_api::secrets::scrub(&line));
                 }
                 Ok(())
             }
@@ -199,25 +216,73 @@ fn main() -> ExitCode {
     runtime.shutdown_background();
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.downcast_ref::<ForcedStop>().is_some() => {
+            let code = e
+                .downcast_ref::<ForcedStop>()
+                .map_or(130, |f| f.0.exit_code());
+            eprintln!("{e}");
+            ExitCode::from(code)
+        }
         Err(e) => {
             let e: anyhow::Error = e;
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", tinyflow_api::secrets::scrub(&format!("{e:#}")));
             ExitCode::from(exit_code(&e))
         }
     }
 }
 
-async fn shutdown_signal() {
+/// The signals that stop `tinyflow run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Signal {
+    Interrupt,
+    Terminate,
+}
+
+impl Signal {
+    fn name(self) -> &'static str {
+        match self {
+            Signal::Interrupt => "SIGINT",
+            Signal::Terminate => "SIGTERM",
+        }
+    }
+
+    /// 128 + the signal's number, as shells report a process the signal
+    /// ended.
+    fn exit_code(self) -> u8 {
+        match self {
+            Signal::Interrupt => tinyflow_cli::exit::FORCED_SIGINT,
+            Signal::Terminate => tinyflow_cli::exit::FORCED_SIGTERM,
+        }
+    }
+}
+
+/// A second signal stopped the job at once, without a final checkpoint.
+#[derive(Debug)]
+struct ForcedStop(Signal);
+
+impl std::fmt::Display for ForcedStop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "stopped at once by a second {}, without a final checkpoint: the next run goes on from the last completed one",
+            self.0.name()
+        )
+    }
+}
+
+impl std::error::Error for ForcedStop {}
+
+async fn shutdown_signal() -> Signal {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
         if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
+            return tokio::select! {
+                _ = tokio::signal::ctrl_c() => Signal::Interrupt,
+                _ = term.recv() => Signal::Terminate,
+            };
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+    Signal::Interrupt
 }

@@ -49,6 +49,8 @@ pub struct JobPlan {
     pub metrics_address: Option<SocketAddr>,
     /// How long the endpoint stays up after the job ended by itself.
     pub metrics_linger: Duration,
+    /// How long an attempt runs before the restart budget starts afresh.
+    pub restart_reset_after: Duration,
     /// The sink's configuration (catalog, table).
     pub sink: IcebergSinkConfig,
     /// The sink in the graph (one claim of the table per run).
@@ -305,8 +307,13 @@ pub fn absolute_path(dir: &str) -> PathBuf {
     }
 }
 
+/// Restarts in a row by default. With the defaults, a job whose broker
+/// cannot be reached at all fails within two minutes: six attempts of at
+/// most `source.request_timeout` (10 s) each, and 15.5 s of pauses.
+const DEFAULT_RESTARTS: u32 = 5;
+
 fn restart(r: &RestartSection) -> Result<RestartStrategy, JobFileError> {
-    let max_attempts = r.max_attempts.unwrap_or(10);
+    let max_attempts = r.max_attempts.unwrap_or(DEFAULT_RESTARTS);
     Ok(match r.strategy.as_deref().unwrap_or("exponential") {
         "none" => RestartStrategy::None,
         "fixed" => RestartStrategy::FixedDelay {
@@ -320,7 +327,7 @@ fn restart(r: &RestartSection) -> Result<RestartStrategy, JobFileError> {
             }
             RestartStrategy::ExponentialBackoff {
                 initial: duration("restart.initial", r.initial.as_deref().unwrap_or("500ms"))?,
-                max: duration("restart.max", r.max.as_deref().unwrap_or("60s"))?,
+                max: duration("restart.max", r.max.as_deref().unwrap_or("30s"))?,
                 multiplier,
                 max_attempts,
             }
@@ -352,6 +359,16 @@ impl JobFile {
     ) -> Result<JobPlan, JobFileError> {
         let job_id =
             JobId::new(self.job.name.clone()).map_err(|e| err("job.name", e.to_string()))?;
+        // Secrets written into the file itself are kept out of all output
+        // too (those from `${...}` were registered when it was read).
+        tinyflow_api::secrets::register_settings(
+            self.source
+                .properties
+                .iter()
+                .chain(&self.sink.catalog.properties)
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .chain(self.sink.catalog.uri.as_deref().map(|u| ("uri", u))),
+        );
         if self.job.parallelism == 0 {
             return Err(err("job.parallelism", "expected at least 1"));
         }
@@ -575,6 +592,10 @@ impl JobFile {
             retained,
             metrics_address,
             metrics_linger,
+            restart_reset_after: duration(
+                "restart.reset_after",
+                self.restart.reset_after.as_deref().unwrap_or("10m"),
+            )?,
             sink: sc,
             iceberg: sink,
             graph,
@@ -808,6 +829,7 @@ impl JobPlan {
         }
         let graph = graph.unwrap_or(self.graph);
         let report = JobRunner::new(graph, Arc::new(store), self.runtime)
+            .with_restart_budget_reset(Some(self.restart_reset_after))
             .with_stop(stop)
             .run()
             .await?;
@@ -830,6 +852,51 @@ mod tests {
             Ok(_) => panic!("the edited job file was accepted"),
             Err(e) => e.to_string(),
         }
+    }
+
+    /// The secured example takes everything secret or local from the
+    /// environment; a secret read so never shows in scrubbed output, and a
+    /// variable that is missing is named with its key.
+    #[test]
+    fn the_secured_example_takes_its_settings_from_the_environment() {
+        const SECURED: &str = include_str!("../../../examples/jobs/secured.toml");
+        let env = |name: &str| match name {
+            "KAFKA_SASL_SSL_BOOTSTRAP" => Some("broker.example:9093".to_owned()),
+            "KAFKA_SASL_USERNAME" => Some("bids".to_owned()),
+            "KAFKA_SASL_PASSWORD" => Some("pw-from-the-environment-1".to_owned()),
+            "KAFKA_SSL_CA" => Some("/etc/kafka/ca.pem".to_owned()),
+            "TINYFLOW_DATA" => Some("/var/lib/tinyflow-test".to_owned()),
+            _ => None,
+        };
+        let plan = JobFile::parse_with(SECURED, "secured.toml", &env)
+            .and_then(|f| f.plan())
+            .unwrap();
+        assert_eq!(
+            plan.checkpoint_dir,
+            std::path::Path::new("/var/lib/tinyflow-test/checkpoints")
+        );
+        assert!(
+            plan.sink
+                .catalog
+                .describe()
+                .contains("/var/lib/tinyflow-test/catalog.db"),
+            "{}",
+            plan.sink.catalog.describe()
+        );
+        assert_eq!(
+            tinyflow_api::secrets::scrub("login as bids with pw-from-the-environment-1"),
+            "login as bids with ***"
+        );
+        let err = JobFile::parse_with(SECURED, "secured.toml", &|name| {
+            (name != "KAFKA_SASL_PASSWORD").then(|| env(name)).flatten()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("source.properties.sasl.password")
+                && err.contains("`${KAFKA_SASL_PASSWORD}` is not set"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -904,7 +971,7 @@ mod tests {
         for (edit, want) in [
             (
                 ("retained = 3", "retaind = 3"),
-                "job.toml:79: `retaind = 3`: unknown field `retaind`",
+                "job.toml:81: `retaind = 3`: unknown field `retaind`",
             ),
             (
                 ("parallelism = 2 ", "parallelism = \"two\" "),

@@ -131,8 +131,21 @@ impl Run {
     /// As [`Run::start`], with `TINYFLOW_LOG=log` and every commit paused
     /// `pause_ms` before and after its catalog update.
     fn start_with(job: &Path, dir: &Path, n: u32, log: &str, pause_ms: u64) -> Run {
+        Run::start_env(job, dir, n, log, pause_ms, &[])
+    }
+
+    /// As [`Run::start_with`], with these variables set for the child.
+    fn start_env(
+        job: &Path,
+        dir: &Path,
+        n: u32,
+        log: &str,
+        pause_ms: u64,
+        envs: &[(&str, &str)],
+    ) -> Run {
         let mut child = Command::new(tinyflow_bin())
             .args(["run", job.to_str().unwrap()])
+            .envs(envs.iter().copied())
             .env("TINYFLOW_CHAOS_COMMIT_PAUSE_MS", pause_ms.to_string())
             .env("TINYFLOW_LOG", log)
             .stdout(Stdio::null())
@@ -1064,5 +1077,215 @@ async fn two_live_runs_of_one_job_the_newer_fences_the_older_inside_its_commit()
     assert_eq!(
         table["properties"]["tinyflow.sink.chaos.epoch"], "2",
         "{table}"
+    );
+}
+
+// ---- Kafka in production: secured clusters, secrets, honest exits ----
+
+/// The example job for a secured cluster (`examples/jobs/secured.toml`).
+fn secured_example() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/secured.toml")
+}
+
+/// The example job for a secured cluster, run as it is against the test
+/// broker's SASL_SSL listener with SCRAM-SHA-512 (secrets from the
+/// environment), with every log on: it reads every record once, stops on
+/// SIGTERM with exit 0, and no output of it, of `validate` or of `inspect`
+/// shows the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_secured_example_job_reads_every_record_once_and_shows_no_secret() {
+    let secured = tinyflow_connectors_kafka::testing::secured();
+    let n = 3_000u64;
+    let (_, topic) = fresh_topic("secured-bids", n).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = secured_example();
+    let data = dir.to_str().unwrap();
+    let envs = [("TOPIC", topic.as_str()), ("TINYFLOW_DATA", data)];
+    let mut run = Run::start_env(&job, &dir, 0, "debug", 0, &envs);
+    let reader = TableReader::open(
+        &tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir),
+        "secured",
+        "bids",
+    )
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while committed_rows(&reader).await < n {
+        assert!(
+            Instant::now() < deadline,
+            "not every record after 120 s; log: {}",
+            std::fs::read_to_string(&run.log).unwrap_or_default()
+        );
+        run.assert_alive();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log_path = run.log.clone();
+    run.stop();
+    let table = tinyflow_tests::pyiceberg_read(&dir, "secured.bids", &["id", "price"]);
+    assert_eq!(table["rows"], n, "{table}");
+    assert_eq!(table["distinct_ids"], n, "{table}");
+    let mut output = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        output.contains(" DEBUG ") && output.contains(&topic),
+        "not the debug log of a run on the secured listener: {output}"
+    );
+    for args in [
+        vec!["validate", job.to_str().unwrap()],
+        vec!["inspect", job.to_str().unwrap()],
+    ] {
+        let out = Command::new(tinyflow_bin())
+            .args(&args)
+            .envs(envs.iter().copied())
+            .env("TINYFLOW_LOG", "debug")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        output.push_str(&String::from_utf8_lossy(&out.stdout));
+        output.push_str(&String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(
+        !output.contains(&secured.password),
+        "the password shows in the output"
+    );
+}
+
+/// The same job with a wrong password: it fails within 30 s, for good (exit
+/// 2, a configuration error), saying which settings to check, and the
+/// wrong password shows nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_fails_the_secured_job_within_30_s_with_exit_2_and_no_secret() {
+    let (_, topic) = fresh_topic("secured-wrong", 10).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let wrong = "wrong-password-3f9a1c";
+    let envs = [
+        ("TOPIC", topic.as_str()),
+        ("TINYFLOW_DATA", dir.to_str().unwrap()),
+        ("KAFKA_SASL_PASSWORD", wrong),
+    ];
+    let started = Instant::now();
+    let mut run = Run::start_env(&secured_example(), &dir, 0, "debug", 0, &envs);
+    let (code, log) = run.exit_code_within(Duration::from_secs(60));
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}; log: {log}",
+        started.elapsed()
+    );
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains(
+            "authentication failed: check sasl.mechanism, sasl.username and sasl.password"
+        ),
+        "{log}"
+    );
+    assert!(!log.contains(wrong), "the wrong password shows: {log}");
+    assert_eq!(
+        log.matches("starting job attempt").count(),
+        1,
+        "restarted: {log}"
+    );
+}
+
+/// A broker that cannot be reached: the first attempt fails within 30 s,
+/// and with the default restart settings the job within 2 minutes, exit 1,
+/// saying what it could not reach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_broker_fails_the_job_within_2_minutes() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = dir.join("job.toml");
+    // The chaos job's text without its own [restart]: the defaults.
+    let text = job_text(&dir, &format!("127.0.0.1:{port}"), "nowhere", "");
+    let text = text[..text.find("[restart]").unwrap()].to_owned();
+    std::fs::write(&job, text).unwrap();
+    let started = Instant::now();
+    let mut run = Run::start(&job, &dir, 0);
+    assert!(
+        run.wait_for("job attempt failed", Duration::from_secs(30)),
+        "the first attempt did not fail within 30 s; log: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
+    let (code, log) = run.exit_code_within(Duration::from_secs(150));
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(120), "took {took:?}; log: {log}");
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains(&format!("127.0.0.1:{port}")), "{log}");
+}
+
+/// A second signal stops a job at once, without a final checkpoint, and the
+/// exit code says which signal (130 for SIGINT, 143 for SIGTERM); a job
+/// file that does not parse exits 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_130_or_143_and_a_bad_job_file_exits_2() {
+    let (bootstrap, topic) = fresh_topic("forced-bids", 2_000).await;
+    for (signal, code) in [("-INT", 130), ("-TERM", 143)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        // Commits pause 2 s, so the final checkpoint cannot finish in time.
+        let job = job_file(&dir, &bootstrap, &topic, "");
+        let mut run = Run::start_with(&job, &dir, 0, "info", 2_000);
+        assert!(
+            run.wait_for("CHAOS commit paused", Duration::from_secs(60)),
+            "no commit; log: {}",
+            std::fs::read_to_string(&run.log).unwrap_or_default()
+        );
+        let pid = run.child.id().to_string();
+        for _ in 0..2 {
+            let sent = Command::new("kill").args([signal, &pid]).status().unwrap();
+            assert!(sent.success());
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let (exit, log) = run.exit_code_within(Duration::from_secs(30));
+        assert_eq!(exit, Some(code), "{signal}: {log}");
+        assert!(log.contains("without a final checkpoint"), "{log}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("bad.toml");
+    std::fs::write(&bad, "[job]\nname = \"x\"\nparalelism = 2\n").unwrap();
+    let (code, _, err) = tinyflow(&["run", bad.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("paralelism"), "{err}");
+}
+
+/// Settings the client refuses, with secrets among them (a key password
+/// read from a file, an OAUTHBEARER client secret written in the file):
+/// the run fails at once with exit 2, naming the setting, and neither
+/// secret shows in anything it prints, whatever the log level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_of_a_refused_configuration_show_nowhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let key_pass = "key-pass-445566";
+    let oauth = "oauth-client-secret-778899";
+    std::fs::write(dir.join("key-pass"), format!("{key_pass}\n")).unwrap();
+    std::fs::write(dir.join("bogus.pem"), "not a key").unwrap();
+    let text = job_text(&dir, "127.0.0.1:9", "bids", "").replace(
+        "fields = [",
+        &format!(
+            r#"properties = {{ "security.protocol" = "SSL", "ssl.key.location" = "{d}/bogus.pem", "ssl.certificate.location" = "{d}/bogus.pem", "ssl.key.password" = "${{file:{d}/key-pass}}", "sasl.oauthbearer.config" = "clientId=tinyflow clientSecret={oauth}" }}
+fields = ["#,
+            d = dir.display()
+        ),
+    );
+    let job = dir.join("job.toml");
+    std::fs::write(&job, text).unwrap();
+    let mut run = Run::start_logging(&job, &dir, 0, "trace");
+    let (code, log) = run.exit_code_within(Duration::from_secs(30));
+    assert_eq!(code, Some(2), "{log}");
+    assert!(log.contains("ssl.certificate.location"), "{log}");
+    for secret in [key_pass, oauth] {
+        assert!(!log.contains(secret), "{secret} shows: {log}");
+    }
+    let (code, out, err) = tinyflow(&["validate", job.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        !out.contains(key_pass) && !out.contains(oauth) && !err.contains(oauth),
+        "{out}{err}"
     );
 }

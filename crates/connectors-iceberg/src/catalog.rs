@@ -136,6 +136,24 @@ fn is_local_warehouse(warehouse: &str) -> bool {
 }
 
 async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
+    // Output scrubbed with `secrets::scrub` never shows these, even where a
+    // catalog client quotes its URI or a property back.
+    match config {
+        CatalogConfig::Sql {
+            uri, properties, ..
+        }
+        | CatalogConfig::Rest {
+            uri, properties, ..
+        } => {
+            tinyflow_api::secrets::register_settings(
+                properties
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .chain([("uri", uri.as_str())]),
+            );
+        }
+        CatalogConfig::Memory { .. } => {}
+    }
     let storage = storage_factory(config);
     if let Some(dir) = config.warehouse().and_then(|w| w.strip_prefix("file://")) {
         std::fs::create_dir_all(dir).map_err(|source| StreamError::Io {

@@ -135,16 +135,12 @@ impl fmt::Debug for CatalogConfig {
     }
 }
 
-/// Properties with every value whose key looks like a credential replaced.
+/// Properties with every secret value replaced (the one rule of
+/// [`tinyflow_api::secrets::is_secret_key`]).
 fn redact_properties(properties: &HashMap<String, String>) -> HashMap<&str, &str> {
     properties
         .iter()
-        .map(|(k, v)| {
-            let secret = ["password", "secret", "token", "key", "credential"]
-                .iter()
-                .any(|s| k.to_ascii_lowercase().contains(s));
-            (k.as_str(), if secret { "***" } else { v.as_str() })
-        })
+        .map(|(k, v)| (k.as_str(), tinyflow_api::secrets::shown(k, v)))
         .collect()
 }
 

@@ -386,19 +386,10 @@ pub const DEFAULT_CLIENT_SETTINGS: &[(&str, &str)] = &[
     ("queued.max.messages.kbytes", "8192"),
 ];
 
-/// Whether a librdkafka property holds a secret.
+/// Whether a librdkafka property holds a secret: the one rule of
+/// [`tinyflow_api::secrets::is_secret_key`].
 pub(crate) fn is_secret(key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
-    [
-        "password",
-        "secret",
-        "jaas",
-        "ssl.key",
-        "token",
-        "credential",
-    ]
-    .iter()
-    .any(|s| k.contains(s))
+    tinyflow_api::secrets::is_secret_key(key)
 }
 
 impl fmt::Debug for KafkaSourceConfig {

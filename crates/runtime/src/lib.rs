@@ -43,5 +43,5 @@ mod task;
 
 pub use error::{Error, Result};
 pub use restart::RestartStrategy;
-pub use runner::{JobReport, JobRunner, RuntimeConfig, StopHandle};
+pub use runner::{DEFAULT_BUDGET_RESET, JobReport, JobRunner, RuntimeConfig, StopHandle};
 pub use task::Message;

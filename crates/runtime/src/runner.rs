@@ -114,7 +114,16 @@ pub struct JobRunner {
     clock: Arc<dyn WallClock>,
     config: RuntimeConfig,
     stop: StopHandle,
+    /// An attempt that ran this long before it failed gives the restart
+    /// strategy its whole budget back.
+    budget_reset: Option<std::time::Duration>,
 }
+
+/// How long an attempt runs before its failure no longer counts against
+/// the restart budget, by default: the restart strategy's `max_attempts`
+/// bounds failures in a row, not over a job's whole life (like Flink's
+/// failure-rate strategy).
+pub const DEFAULT_BUDGET_RESET: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl std::fmt::Debug for JobRunner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,7 +143,17 @@ impl JobRunner {
             clock: Arc::new(SystemWallClock),
             config,
             stop: StopHandle::new(),
+            budget_reset: Some(DEFAULT_BUDGET_RESET),
         }
+    }
+
+    /// Gives the restart strategy its whole budget back (its attempt count
+    /// and backoff) after an attempt that ran `after` before it failed;
+    /// `None` counts every failure of the job's life. Default
+    /// [`DEFAULT_BUDGET_RESET`].
+    pub fn with_restart_budget_reset(mut self, after: Option<std::time::Duration>) -> Self {
+        self.budget_reset = after;
+        self
     }
 
     /// Stops the job when `stop` is used (see [`StopHandle`]).
@@ -153,9 +172,12 @@ impl JobRunner {
     /// strategy (the error then carries the last attempt's root cause).
     pub async fn run(&self) -> Result<JobReport> {
         let mut attempt = 0;
+        // Restarts counted against the strategy's budget.
+        let mut restarts = 0;
         loop {
             attempt += 1;
             tracing::info!(job = %self.graph.job_id, attempt, "starting job attempt");
+            let started = tokio::time::Instant::now();
             let cause = match self.attempt().await {
                 Ok(final_checkpoint) => {
                     tracing::info!(job = %self.graph.job_id, attempt, ?final_checkpoint, "job finished");
@@ -166,8 +188,16 @@ impl JobRunner {
                 }
                 Err(cause) => cause,
             };
+            if let Some(after) = self.budget_reset
+                && restarts > 0
+                && started.elapsed() >= after
+            {
+                tracing::info!(job = %self.graph.job_id, attempt, ran_secs = started.elapsed().as_secs(), "the attempt ran long enough before it failed: the restart budget starts afresh");
+                restarts = 0;
+            }
+            restarts += 1;
             let delay = if cause.is_retryable() {
-                self.config.restart.delay_before(attempt)
+                self.config.restart.delay_before(restarts)
             } else {
                 None
             };
