@@ -845,154 +845,36 @@ fn secured_env(layout: &Layout) -> Result<Vec<(String, String)>> {
 /// A CA and a broker certificate it signs (for 127.0.0.1 and localhost), made with the JDK's
 /// `keytool` in `dir`: the broker's PKCS12 keystore and the CA's PEM file for clients.
 fn make_certificates(dir: &Path) -> Result<(PathBuf, PathBuf)> {
-    let ca_store = dir.join("ca.p12");
     let ca_pem = dir.join("ca.pem");
     let keystore = dir.join("broker.p12");
-    let csr = dir.join("broker.csr");
-    let signed = dir.join("broker.pem");
-    let path = |p: &Path| p.to_str().map(str::to_owned).context("a path is not UTF-8");
-    let pass = KEYSTORE_PASSWORD;
-    let san = "SAN=ip:127.0.0.1,dns:localhost";
-    let steps: Vec<Vec<String>> = vec![
-        vec![
-            "-genkeypair",
-            "-alias",
-            "ca",
-            "-keyalg",
-            "RSA",
-            "-keysize",
-            "2048",
-            "-validity",
-            "3650",
-            "-dname",
-            "CN=tinyflow test CA",
-            "-ext",
-            "bc:c",
-            "-storetype",
-            "PKCS12",
-            "-keystore",
-            &path(&ca_store)?,
-            "-storepass",
-            pass,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
-        vec![
-            "-exportcert",
-            "-rfc",
-            "-alias",
-            "ca",
-            "-keystore",
-            &path(&ca_store)?,
-            "-storepass",
-            pass,
-            "-file",
-            &path(&ca_pem)?,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
-        vec![
-            "-genkeypair",
-            "-alias",
-            "broker",
-            "-keyalg",
-            "RSA",
-            "-keysize",
-            "2048",
-            "-validity",
-            "3650",
-            "-dname",
-            "CN=localhost",
-            "-ext",
-            san,
-            "-storetype",
-            "PKCS12",
-            "-keystore",
-            &path(&keystore)?,
-            "-storepass",
-            pass,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
-        vec![
-            "-certreq",
-            "-alias",
-            "broker",
-            "-keystore",
-            &path(&keystore)?,
-            "-storepass",
-            pass,
-            "-file",
-            &path(&csr)?,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
-        vec![
-            "-gencert",
-            "-alias",
-            "ca",
-            "-keystore",
-            &path(&ca_store)?,
-            "-storepass",
-            pass,
-            "-infile",
-            &path(&csr)?,
-            "-outfile",
-            &path(&signed)?,
-            "-rfc",
-            "-validity",
-            "3650",
-            "-ext",
-            san,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
-        vec![
-            "-importcert",
-            "-noprompt",
-            "-alias",
-            "ca",
-            "-file",
-            &path(&ca_pem)?,
-            "-keystore",
-            &path(&keystore)?,
-            "-storepass",
-            pass,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
-        vec![
-            "-importcert",
-            "-noprompt",
-            "-alias",
-            "broker",
-            "-file",
-            &path(&signed)?,
-            "-keystore",
-            &path(&keystore)?,
-            "-storepass",
-            pass,
-        ]
-        .into_iter()
-        .map(str::to_owned)
-        .collect(),
+    let text = dir.to_str().context("the run directory's path is not UTF-8")?;
+    if text.contains(char::is_whitespace) {
+        bail!("the run directory's path {text:?} has a space, which keytool's arguments here cannot take");
+    }
+    // One keytool call a line; `{d}` is the run directory.
+    let steps = [
+        // The CA.
+        "-genkeypair -alias ca -keyalg RSA -keysize 2048 -validity 3650 -dname CN=tinyflow-test-CA -ext bc:c -storetype PKCS12 -keystore {d}/ca.p12",
+        "-exportcert -rfc -alias ca -keystore {d}/ca.p12 -file {d}/ca.pem",
+        // The broker's key, and its certificate for 127.0.0.1 and localhost, signed by the CA.
+        "-genkeypair -alias broker -keyalg RSA -keysize 2048 -validity 3650 -dname CN=localhost -ext SAN=ip:127.0.0.1,dns:localhost -storetype PKCS12 -keystore {d}/broker.p12",
+        "-certreq -alias broker -keystore {d}/broker.p12 -file {d}/broker.csr",
+        "-gencert -alias ca -keystore {d}/ca.p12 -infile {d}/broker.csr -outfile {d}/broker.pem -rfc -validity 3650 -ext SAN=ip:127.0.0.1,dns:localhost",
+        // The chain into the broker's keystore.
+        "-importcert -noprompt -alias ca -file {d}/ca.pem -keystore {d}/broker.p12",
+        "-importcert -noprompt -alias broker -file {d}/broker.pem -keystore {d}/broker.p12",
     ];
-    for args in steps {
+    for step in steps {
+        let step = step.replace("{d}", text);
         let output = Command::new("keytool")
-            .args(&args)
+            .args(step.split_whitespace())
+            .args(["-storepass", KEYSTORE_PASSWORD])
             .stdin(Stdio::null())
             .output()
             .context("running keytool (the JDK's; is a JDK on PATH?)")?;
         if !output.status.success() {
             bail!(
-                "keytool {} failed ({}): {}{}",
-                args[0],
+                "keytool {step} failed ({}): {}{}",
                 output.status,
                 String::from_utf8_lossy(&output.stdout),
                 String::from_utf8_lossy(&output.stderr)

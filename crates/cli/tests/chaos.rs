@@ -228,27 +228,19 @@ impl Run {
     /// Waits up to 120 s for the process to exit by itself, with status 0;
     /// else kills it and fails with `late` and its log.
     fn exits_0_within_120_s(&mut self, late: &str) {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                self.child.kill().unwrap();
-                panic!(
-                    "{late}; its log: {}",
-                    std::fs::read_to_string(&self.log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        assert!(status.success(), "exit {status}; its log: {log}");
+        let (code, log) = self.exit_code_within_or(Duration::from_secs(120), late);
+        assert_eq!(code, Some(0), "exit {code:?}; its log: {log}");
     }
 
     /// Waits up to `within` for the process to exit by itself; its exit
     /// code (`None`: a signal) and its log.
     fn exit_code_within(&mut self, within: Duration) -> (Option<i32>, String) {
+        self.exit_code_within_or(within, &format!("still running after {within:?}"))
+    }
+
+    /// As [`Run::exit_code_within`]; `late` says what it means when it
+    /// does not exit in time.
+    fn exit_code_within_or(&mut self, within: Duration, late: &str) -> (Option<i32>, String) {
         let deadline = Instant::now() + within;
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -257,7 +249,7 @@ impl Run {
             if Instant::now() > deadline {
                 self.child.kill().unwrap();
                 panic!(
-                    "still running after {within:?}; its log: {}",
+                    "{late}; its log: {}",
                     std::fs::read_to_string(&self.log).unwrap_or_default()
                 );
             }
