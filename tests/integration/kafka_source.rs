@@ -1135,8 +1135,7 @@ async fn unreachable_broker_and_failed_authentication_are_clear_errors() {
     assert!(!text.contains("hunter2"), "{text}");
     assert_eq!(attempts, 1, "retried: {text}");
     assert!(
-        text.contains(&bootstrap())
-            && text.contains("authentication failed: check sasl.mechanism"),
+        text.contains(&bootstrap()) && text.contains("authentication failed: check sasl.mechanism"),
         "{text}"
     );
 }

@@ -847,9 +847,13 @@ fn secured_env(layout: &Layout) -> Result<Vec<(String, String)>> {
 fn make_certificates(dir: &Path) -> Result<(PathBuf, PathBuf)> {
     let ca_pem = dir.join("ca.pem");
     let keystore = dir.join("broker.p12");
-    let text = dir.to_str().context("the run directory's path is not UTF-8")?;
+    let text = dir
+        .to_str()
+        .context("the run directory's path is not UTF-8")?;
     if text.contains(char::is_whitespace) {
-        bail!("the run directory's path {text:?} has a space, which keytool's arguments here cannot take");
+        bail!(
+            "the run directory's path {text:?} has a space, which keytool's arguments here cannot take"
+        );
     }
     // One keytool call a line; `{d}` is the run directory.
     let steps = [
