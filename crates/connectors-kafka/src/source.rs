@@ -352,7 +352,7 @@ impl KafkaSourceConfig {
             .map_err(|e| self.rejected(name, "consumer", e))
     }
 
-    /// The metadata of `topic`, asked for in tries of at most a second
+    /// The metadata of `topic`, asked for in growing tries (from a second)
     /// up to `request_timeout`, so that a security problem the client
     /// reports meanwhile (wrong credentials, an untrusted certificate, a
     /// protocol mismatch) fails at once, naming it, and for good.
@@ -363,9 +363,13 @@ impl KafkaSourceConfig {
         topic: &str,
     ) -> StreamResult<rdkafka::metadata::Metadata> {
         let deadline = Instant::now() + self.request_timeout;
+        // Tries of 1 s, 2 s, 4 s...: a far or busy broker whose answer takes
+        // longer than the first still gets it.
+        let mut try_for = Duration::from_secs(1);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let tried = consumer.fetch_metadata(Some(topic), left.min(Duration::from_secs(1)));
+            let tried = consumer.fetch_metadata(Some(topic), left.min(try_for));
+            try_for *= 2;
             let e = match tried {
                 Ok(md) => return Ok(md),
                 Err(e) => e,
