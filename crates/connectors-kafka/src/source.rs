@@ -79,7 +79,7 @@ pub(crate) struct SourceContext {
     last_error: std::sync::Mutex<Option<String>>,
     /// The last error that says the security settings do not fit the
     /// broker (see [`security_problem`]): retrying never mends it.
-    security: std::sync::Mutex<Option<String>>,
+    security: std::sync::Mutex<Option<(String, Certainty)>>,
     /// (committed end, log end) per partition the consumer fetches, from
     /// librdkafka's statistics (once a second): the last stable offset and
     /// the high watermark.
@@ -120,8 +120,10 @@ impl ClientContext for SourceContext {
             // A protocol mismatch comes as a log line only (the error is a
             // plain transport failure).
             if message.contains("incorrect security.protocol") {
-                *self.security.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(format!("{PROTOCOL_MISMATCH}: {message}"));
+                *self.security.lock().unwrap_or_else(|p| p.into_inner()) = Some((
+                    format!("{PROTOCOL_MISMATCH}: {message}"),
+                    Certainty::IfItLasts,
+                ));
             }
             *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(message.to_owned());
         } else {
@@ -131,9 +133,9 @@ impl ClientContext for SourceContext {
 
     fn error(&self, error: KafkaError, reason: &str) {
         tracing::warn!(%error, reason, "kafka client error");
-        if let Some(what) = security_problem(&error, reason) {
+        if let Some((what, certainty)) = security_problem(&error, reason) {
             *self.security.lock().unwrap_or_else(|p| p.into_inner()) =
-                Some(format!("{what}: {reason}"));
+                Some((format!("{what}: {reason}"), certainty));
         }
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(format!("{error}: {reason}"));
@@ -200,30 +202,51 @@ fn speaks_tls(address: &str) -> bool {
 /// told.
 const PROTOCOL_MISMATCH: &str = "the broker's listener speaks another protocol: check security.protocol (SSL or SASL_SSL for a TLS listener)";
 
+/// How sure a security problem is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Certainty {
+    /// The broker said so (credentials refused, a certificate not
+    /// trusted): fail at once.
+    Now,
+    /// Could be a passing fault (a TLS handshake cut short by a broker
+    /// restarting): fail only if the broker never answered until the
+    /// request's time-out.
+    IfItLasts,
+}
+
 /// Whether a client error says the security settings do not fit the
-/// broker, and what to check: wrong credentials, a certificate not trusted,
-/// a TLS handshake that fails, a plaintext client on a TLS listener.
-/// Retrying never mends these, so they fail the job at once.
-pub(crate) fn security_problem(error: &KafkaError, reason: &str) -> Option<&'static str> {
+/// broker, what to check, and how sure it is: wrong credentials and a
+/// certificate not trusted are certain; a TLS handshake that fails, or a
+/// hint of a plaintext client on a TLS listener, only if nothing else
+/// answers. Retrying never mends these, so they fail the job for good.
+pub(crate) fn security_problem(
+    error: &KafkaError,
+    reason: &str,
+) -> Option<(&'static str, Certainty)> {
     use rdkafka::types::RDKafkaErrorCode as C;
     match error.rdkafka_error_code() {
-        Some(C::Authentication | C::SaslAuthenticationFailed) => {
-            Some("authentication failed: check sasl.mechanism, sasl.username and sasl.password")
-        }
-        Some(C::SSL) if reason.contains("certificate verify failed") => Some(
+        Some(C::Authentication | C::SaslAuthenticationFailed) => Some((
+            "authentication failed: check sasl.mechanism, sasl.username and sasl.password",
+            Certainty::Now,
+        )),
+        Some(C::SSL) if reason.contains("certificate verify failed") => Some((
             "the broker's certificate is not trusted: check ssl.ca.location (the CA that signed it)",
-        ),
-        Some(C::SSL) => Some(
+            Certainty::Now,
+        )),
+        Some(C::SSL) => Some((
             "the TLS handshake with the broker failed: check security.protocol and the listener's port",
-        ),
-        _ if reason.contains("incorrect security.protocol") => Some(PROTOCOL_MISMATCH),
+            Certainty::IfItLasts,
+        )),
+        _ if reason.contains("incorrect security.protocol") => {
+            Some((PROTOCOL_MISMATCH, Certainty::IfItLasts))
+        }
         _ => None,
     }
 }
 
 impl SourceContext {
     /// The security problem the client reported, if any.
-    pub(crate) fn security(&self) -> Option<String> {
+    pub(crate) fn security(&self) -> Option<(String, Certainty)> {
         self.security
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -376,7 +399,10 @@ impl KafkaSourceConfig {
             };
             // Client errors arrive as events on the consumer's queue.
             let why = why(consumer);
-            if let Some(problem) = consumer.context().security() {
+            let out_of_time = Instant::now() >= deadline;
+            if let Some((problem, certainty)) = consumer.context().security()
+                && (certainty == Certainty::Now || out_of_time)
+            {
                 return Err(StreamError::Config {
                     key: "source.properties",
                     message: format!(
@@ -385,7 +411,7 @@ impl KafkaSourceConfig {
                     ),
                 });
             }
-            if Instant::now() >= deadline {
+            if out_of_time {
                 // A plaintext client on a TLS listener gets no answer at
                 // all (the listener waits for the rest of a TLS record):
                 // ask the listener in TLS whether it speaks it.
