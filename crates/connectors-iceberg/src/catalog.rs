@@ -634,21 +634,29 @@ pub fn committed_id(table: &Table, sink_id: &str) -> Option<u64> {
         .properties()
         .get(&committed_property(sink_id))
         .and_then(|v| v.parse::<u64>().ok());
-    let mut from_history = None;
+    let from_history = newest_sink_snapshot(table, sink_id).and_then(|(_, checkpoint)| checkpoint);
+    from_property.max(from_history)
+}
+
+/// The newest snapshot `sink_id` committed in the current branch's history
+/// (`None` when expired or never made): its id and the checkpoint id its
+/// summary names.
+pub(crate) fn newest_sink_snapshot(table: &Table, sink_id: &str) -> Option<(i64, Option<u64>)> {
+    let metadata = table.metadata();
     let mut next = metadata.current_snapshot().cloned();
     while let Some(snapshot) = next {
         let props = &snapshot.summary().additional_properties;
         if props.get(SUMMARY_SINK_ID).map(String::as_str) == Some(sink_id) {
-            from_history = props
+            let checkpoint = props
                 .get(SUMMARY_CHECKPOINT_ID)
                 .and_then(|v| v.parse::<u64>().ok());
-            break;
+            return Some((snapshot.snapshot_id(), checkpoint));
         }
         next = snapshot
             .parent_snapshot_id()
             .and_then(|id| metadata.snapshot_by_id(id).cloned());
     }
-    from_property.max(from_history)
+    None
 }
 
 fn iceberg_type(ty: ColumnType) -> Type {

@@ -158,9 +158,8 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
                 // Checked before this run claims the sink, so that a stale
                 // run refused here does not fence the run that owns it now.
                 Some(identity) => {
-                    committer
-                        .check_restored(identity, restore.checkpoint.get())
-                        .await?
+                    let before = table.load().await?;
+                    committer.check_restored(&before, identity, restore.checkpoint.get())?
                 }
                 None => tracing::warn!(
                     sink = %label,
@@ -189,9 +188,7 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
             if let Some(old) = &restored_identity {
                 // Again on the table as claimed: nothing can change it now
                 // but this run.
-                committer
-                    .check_restored(old, restore.checkpoint.get())
-                    .await?;
+                committer.check_restored(&now, old, restore.checkpoint.get())?;
             }
             committer.identity = identity;
             let files: usize = committer.pending.values().map(|s| s.files.len()).sum();
@@ -311,16 +308,20 @@ impl Committer {
         }
     }
 
-    /// Refuses a restored state that the table disagrees with (see
+    /// Refuses a restored state that `table` disagrees with (see
     /// [`identity::check`]).
-    async fn check_restored(&self, restored: &Identity, checkpoint: u64) -> StreamResult<()> {
-        let table = self.table.load().await?;
+    fn check_restored(
+        &self,
+        table: &iceberg::table::Table,
+        restored: &Identity,
+        checkpoint: u64,
+    ) -> StreamResult<()> {
         let positions: BTreeMap<u64, JobPositions> = self
             .pending
             .iter()
             .map(|(id, s)| (*id, s.positions.clone()))
             .collect();
-        match identity::check(&table, restored, &positions, checkpoint) {
+        match identity::check(table, restored, &positions, checkpoint) {
             Ok(()) => Ok(()),
             Err(mismatch) => {
                 let mut what = mismatch.describe(&format!("table {}", self.table.table_name()));

@@ -16,9 +16,7 @@ use iceberg::table::Table;
 use serde::{Deserialize, Serialize};
 use tinyflow_api::{JobPositions, StreamError, StreamResult};
 
-use crate::catalog::{
-    SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, committed_id, committed_positions, external,
-};
+use crate::catalog::{committed_id, committed_positions, external, newest_sink_snapshot};
 use crate::writer::DataFileMeta;
 
 /// The table a committer's checkpoint was written for, and the last commit
@@ -172,23 +170,12 @@ pub fn check(
 }
 
 /// The id of the newest snapshot in the current branch's history that
-/// `sink_id` committed checkpoint `checkpoint` with (`None` when expired).
+/// `sink_id` committed, when it committed checkpoint `checkpoint` (`None`
+/// when expired).
 pub(crate) fn sink_snapshot(table: &Table, sink_id: &str, checkpoint: u64) -> Option<i64> {
-    let metadata = table.metadata();
-    let mut next = metadata.current_snapshot().cloned();
-    while let Some(snapshot) = next {
-        let props = &snapshot.summary().additional_properties;
-        if props.get(SUMMARY_SINK_ID).map(String::as_str) == Some(sink_id) {
-            let id = props
-                .get(SUMMARY_CHECKPOINT_ID)
-                .and_then(|v| v.parse::<u64>().ok());
-            return (id == Some(checkpoint)).then(|| snapshot.snapshot_id());
-        }
-        next = snapshot
-            .parent_snapshot_id()
-            .and_then(|id| metadata.snapshot_by_id(id).cloned());
-    }
-    None
+    newest_sink_snapshot(table, sink_id)
+        .filter(|(_, c)| *c == Some(checkpoint))
+        .map(|(id, _)| id)
 }
 
 /// `topic/partition@offset, ...` over every source.

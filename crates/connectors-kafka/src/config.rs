@@ -386,18 +386,12 @@ pub const DEFAULT_CLIENT_SETTINGS: &[(&str, &str)] = &[
     ("queued.max.messages.kbytes", "8192"),
 ];
 
-/// Whether a librdkafka property holds a secret: the one rule of
-/// [`tinyflow_api::secrets::is_secret_key`].
-pub(crate) fn is_secret(key: &str) -> bool {
-    tinyflow_api::secrets::is_secret_key(key)
-}
-
 impl fmt::Debug for KafkaSourceConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let props: BTreeMap<&str, &str> = self
             .properties
             .iter()
-            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+            .map(|(k, v)| (k.as_str(), tinyflow_api::secrets::shown(k, v)))
             .collect();
         f.debug_struct("KafkaSourceConfig")
             .field("bootstrap_servers", &self.bootstrap_servers)

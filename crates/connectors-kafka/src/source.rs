@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::bad_record::{BadRecord, BadRecords};
 use crate::config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
-    TimeFrom, is_secret,
+    TimeFrom,
 };
 use crate::dead_letter::DeadLetter;
 
@@ -343,7 +343,7 @@ impl KafkaSourceConfig {
         let shown: Vec<String> = self
             .properties
             .iter()
-            .map(|(k, v)| format!("{k}={}", if is_secret(k) { "***" } else { v }))
+            .map(|(k, v)| format!("{k}={}", tinyflow_api::secrets::shown(k, v)))
             .collect();
         StreamError::Config {
             key: "source.properties",
