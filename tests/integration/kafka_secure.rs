@@ -70,17 +70,24 @@ async fn every_sasl_mechanism_over_tls_reads_every_record_once() {
     assert_once(read_bounded(&topic).await, 0..2_000, "PLAINTEXT");
 }
 
-/// Creating the reader fails within 30 s, not retryable, and its error
-/// contains `says`.
-fn fails_saying(cfg: KafkaSourceConfig, says: &str) {
+/// Creates a reader with `cfg`; only whether it failed, and how, matters.
+fn create(cfg: KafkaSourceConfig) -> Result<(), StreamError> {
     let ctx = OperatorContext {
         name: "kafka".into(),
         subtask: 0,
         parallelism: 1,
         max_parallelism: 128,
     };
+    KafkaSource::new(cfg, Format::<Rec>::json())
+        .create(&ctx, &[])
+        .map(drop)
+}
+
+/// Creating the reader fails within 30 s, not retryable, and its error
+/// contains `says`.
+fn fails_saying(cfg: KafkaSourceConfig, says: &str) {
     let started = Instant::now();
-    let Err(err) = KafkaSource::new(cfg, Format::<Rec>::json()).create(&ctx, &[]) else {
+    let Err(err) = create(cfg) else {
         panic!("the reader was created");
     };
     let took = started.elapsed();
@@ -170,14 +177,8 @@ async fn oidc_client_credentials_are_refused_at_once_saying_why() {
         "OAUTHBEARER",
         &[("sasl.oauthbearer.client.secret", Some(secret))],
     );
-    let ctx = OperatorContext {
-        name: "kafka".into(),
-        subtask: 0,
-        parallelism: 1,
-        max_parallelism: 128,
-    };
-    let text = match KafkaSource::new(cfg, Format::<Rec>::json()).create(&ctx, &[]) {
-        Ok(_) => String::new(),
+    let text = match create(cfg) {
+        Ok(()) => String::new(),
         Err(e) => tinyflow_api::error_chain(&e),
     };
     assert!(!text.contains(secret), "{text}");

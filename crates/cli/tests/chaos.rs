@@ -327,15 +327,7 @@ fn scrape(port: u16) -> Option<String> {
 /// `/metrics` for the linger before it exits 0. On the shared broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bounded_job_logs_its_final_counters_and_serves_them_while_it_lingers() {
-    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
-    let topic = format!(
-        "linger-bids-{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis()
-    );
-    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    let (bootstrap, topic) = new_topic("linger-bids").await;
     let n = 2_000u64;
     let bad = 10u64;
     produce_stream(
@@ -533,23 +525,8 @@ async fn killed_again_and_again_a_job_leaves_each_bad_record_in_the_dead_letter_
 /// itself (a backfill). On the shared broker (`KAFKA_BOOTSTRAP`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bounded_job_reads_to_the_end_commits_and_exits() {
-    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
-    let topic = format!(
-        "bounded-bids-{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis()
-    );
-    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
     let n = 20_000u64;
-    produce_stream(
-        &bootstrap,
-        &topic,
-        &[],
-        (0..n).map(|id| ((id % PARTITIONS as u64) as i32, bid_json(id))),
-    )
-    .unwrap();
+    let (bootstrap, topic) = fresh_topic("bounded-bids", n).await;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
     let job = job_file(&dir, &bootstrap, &topic, "bounded = true");
@@ -783,15 +760,7 @@ impl Drop for Tmpfs {
 /// grows, the same run must finish with every record once, read by pyiceberg.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_full_disk_the_job_fails_clearly_cleans_up_and_resumes_once_there_is_room() {
-    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
-    let topic = format!(
-        "full-disk-bids-{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis()
-    );
-    create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    let (bootstrap, topic) = new_topic("full-disk-bids").await;
     let n = 20_000u64;
     let mut rng = SplitMix64::new(7);
     let bids: Vec<_> = (0..n)
@@ -890,7 +859,9 @@ fn tinyflow(args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
-async fn fresh_topic(prefix: &str, n: u64) -> (String, String) {
+/// A topic of its own for a test, `PARTITIONS` partitions, on the shared
+/// broker: (bootstrap, topic).
+async fn new_topic(prefix: &str) -> (String, String) {
     let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
     let topic = format!(
         "{prefix}-{}",
@@ -900,6 +871,12 @@ async fn fresh_topic(prefix: &str, n: u64) -> (String, String) {
             .as_nanos()
     );
     create_topic(&bootstrap, &topic, PARTITIONS).await.unwrap();
+    (bootstrap, topic)
+}
+
+/// [`new_topic`] holding bids `0..n`, round-robin over the partitions.
+async fn fresh_topic(prefix: &str, n: u64) -> (String, String) {
+    let (bootstrap, topic) = new_topic(prefix).await;
     produce_stream(
         &bootstrap,
         &topic,
