@@ -1,12 +1,14 @@
-//! Servers that run on the JVM from one jar on Maven Central, started on
-//! loopback for the tests: Apache Iceberg's REST catalog server
-//! (`rest.rs`) and the S3 server S3Proxy (`s3.rs`). Each is a [`Spec`];
-//! this file does what they share.
+//! Servers that run on the JVM from one artifact on Maven Central, started
+//! on loopback for the tests: Apache Iceberg's REST catalog server
+//! (`rest.rs`), the S3 server S3Proxy (`s3.rs`) and the identity provider
+//! Keycloak (`keycloak.rs`). Each is a [`Spec`]; this file does what they
+//! share.
 //!
-//! `start` resolves the jar with `mvn` into `target/<command>/libs` unless it
-//! is there, prepares `target/<command>/run-<port>/` (the spec's
+//! `start` resolves the artifact (a jar, or Keycloak's distribution zip) with
+//! `mvn` into `target/<command>/libs` unless it is there, prepares `target/<command>/run-<port>/` (the spec's
 //! `configure` puts the server's data and settings there), starts `java`
-//! from PATH in the background in its own process group, waits until an
+//! from PATH (or the spec's own launcher) in the background in its own
+//! process group, waits until an
 //! HTTP `GET` of the spec's path answers with the spec's status, writes
 //! `server.pid` next to `server.log` and prints `<URL_ENV>=<url>` on
 //! stdout. `stop` sends SIGTERM (SIGKILL after 30 s) and deletes the run
@@ -45,18 +47,27 @@ pub(crate) struct Spec {
     pub(crate) what: &'static str,
     /// Maven coordinates of the jar, `group:artifact:version[:type:classifier]`.
     pub(crate) artifact: &'static str,
-    /// The jar's file name as `mvn` copies it.
+    /// The artifact's file name as `mvn` copies it.
     pub(crate) jar: &'static str,
+    /// How the server is started from the artifact and the run directory;
+    /// `None` is `java <JVM_OPTS> -cp <jar> <main class>`.
+    pub(crate) launch: Option<fn(artifact: &Path, run_dir: &Path) -> Result<Command>>,
     /// How much the first `mvn` run downloads, for its progress message.
     pub(crate) download: &'static str,
-    /// The class `java -cp <jar>` runs; a live pid's command line must name
-    /// it, so a reused pid is not taken for the server.
+    /// The class `java -cp <jar>` runs. A live pid's command line must
+    /// contain it, so a reused pid is not taken for the server (for a
+    /// launcher of its own, what that command line contains).
     pub(crate) main_class: &'static str,
     pub(crate) default_port: u16,
     /// The variable that overrides the default port.
     pub(crate) port_env: &'static str,
     /// The variable that carries the server's URL to the tests.
     pub(crate) url_env: &'static str,
+    /// What that URL adds to `http://127.0.0.1:<port>` (Keycloak's realm).
+    pub(crate) url_path: &'static str,
+    /// More `NAME=value` lines `start` and `status` print after the URL's,
+    /// and `cargo xtask ci` gives the tests (Keycloak's client).
+    pub(crate) env: &'static [(&'static str, &'static str)],
     /// The server is ready when `GET <path>` answers with this status.
     pub(crate) ready: (&'static str, u16),
     /// Prepares the run directory (which exists and is empty) and adds the
@@ -73,6 +84,9 @@ pub(crate) fn main(spec: &'static Spec, args: &[String]) -> Result<()> {
         "start" => {
             server.start()?;
             println!("{}={}", spec.url_env, server.url());
+            for (k, v) in spec.env {
+                println!("{k}={v}");
+            }
             Ok(())
         }
         "stop" => server.stop(),
@@ -88,6 +102,9 @@ pub(crate) fn main(spec: &'static Spec, args: &[String]) -> Result<()> {
                     }
                 );
                 println!("{}={}", spec.url_env, server.url());
+                for (k, v) in spec.env {
+                    println!("{k}={v}");
+                }
                 Ok(())
             }
             None => bail!("no {} of ours on port {port}", spec.what),
@@ -151,7 +168,7 @@ impl Server {
     }
 
     fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://127.0.0.1:{}{}", self.port, self.spec.url_path)
     }
 
     fn pid_file(&self) -> PathBuf {
@@ -237,11 +254,17 @@ impl Server {
         fs::create_dir_all(&self.run_dir)
             .with_context(|| format!("creating {}", self.run_dir.display()))?;
         let log_path = self.log_file();
-        let mut cmd = Command::new("java");
-        cmd.args(JVM_OPTS)
-            .arg("-cp")
-            .arg(&jar)
-            .arg(self.spec.main_class);
+        let mut cmd = match self.spec.launch {
+            Some(launch) => launch(&jar, &self.run_dir)?,
+            None => {
+                let mut java = Command::new("java");
+                java.args(JVM_OPTS)
+                    .arg("-cp")
+                    .arg(&jar)
+                    .arg(self.spec.main_class);
+                java
+            }
+        };
         let serves = (self.spec.configure)(&self.run_dir, port, &mut cmd)?;
         let mut child = spawn_server(cmd, &log_path, &self.pid_file())?;
         let pid = child.id();

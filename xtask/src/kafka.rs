@@ -22,6 +22,11 @@
 //! [`SASL_USER`] is created then (PLAIN takes it too). `start --secured` also prints
 //! `KAFKA_SASL_SSL_BOOTSTRAP=`, `KAFKA_SSL_CA=` (the CA's PEM file), `KAFKA_SASL_USERNAME=` and
 //! `KAFKA_SASL_PASSWORD=` lines, which `run-<port>/secured.env` holds as well.
+//!
+//! With `--oidc-issuer URL` (or `$TINYFLOW_OIDC_ISSUER`) when the data directory is formatted,
+//! the secured listener takes OAUTHBEARER too and checks tokens as a broker behind an OpenID
+//! Connect provider does: signed by a key the issuer publishes (`<URL>/protocol/openid-connect/certs`,
+//! Keycloak's layout; see `keycloak.rs`), issued by `URL`, for the audience `kafka`.
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader, ErrorKind};
@@ -72,9 +77,11 @@ const LOG_TAIL_LINES: usize = 60;
 pub(crate) fn main(args: &[String]) -> Result<()> {
     let (action, port) = parse_args(args, std::env::var("TINYFLOW_KAFKA_PORT").ok())?;
     let layout = Layout::new(port)?;
+    let oidc = oidc_issuer(args);
+    let oidc = oidc.as_deref();
     match action {
         Action::Start => {
-            start(&layout, Data::Fresh)?;
+            start(&layout, Data::Fresh, oidc)?;
             if args.iter().any(|a| a == "--secured") {
                 for (k, v) in secured_env(&layout)? {
                     println!("{k}={v}");
@@ -85,9 +92,9 @@ pub(crate) fn main(args: &[String]) -> Result<()> {
         Action::Stop => stop(&layout),
         Action::Restart => {
             stop(&layout)?;
-            start(&layout, Data::Keep)
+            start(&layout, Data::Keep, oidc)
         }
-        Action::Resume => start(&layout, Data::Keep),
+        Action::Resume => start(&layout, Data::Keep, oidc),
         Action::Kill => kill(&layout),
         Action::Discard => {
             if matches!(broker_state(&layout)?, BrokerState::Running(_)) {
@@ -116,7 +123,8 @@ pub(crate) struct CiBroker {
 }
 
 impl CiBroker {
-    pub(crate) fn start() -> Result<Self> {
+    /// `oidc_issuer`: the identity provider whose tokens the secured listener takes.
+    pub(crate) fn start(oidc_issuer: &str) -> Result<Self> {
         if let Ok(given) = std::env::var("KAFKA_BOOTSTRAP") {
             eprintln!("xtask kafka: using the broker at KAFKA_BOOTSTRAP={given}");
             return Ok(CiBroker {
@@ -131,7 +139,7 @@ impl CiBroker {
         )?;
         let layout = Layout::new(port)?;
         let ours = !matches!(broker_state(&layout)?, BrokerState::Running(_));
-        start(&layout, Data::Fresh)?;
+        start(&layout, Data::Fresh, Some(oidc_issuer))?;
         let bootstrap = layout.address().to_string();
         let secured = secured_env(&layout)?;
         Ok(CiBroker {
@@ -168,7 +176,7 @@ enum Action {
 }
 
 fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)> {
-    let usage = "usage: cargo xtask kafka <start|stop|kill|restart|resume|discard|status> [--port N] [--secured]";
+    let usage = "usage: cargo xtask kafka <start|stop|kill|restart|resume|discard|status> [--port N] [--secured] [--oidc-issuer URL]";
     let action = match args.first().map(String::as_str) {
         Some("start") => Action::Start,
         Some("stop") => Action::Stop,
@@ -182,11 +190,14 @@ fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)
     let mut port_text = None;
     let mut rest = args[1..].iter().filter(|a| *a != "--secured");
     while let Some(arg) = rest.next() {
-        if arg == "--port" {
+        if arg == "--oidc-issuer" {
+            // Read by `oidc_issuer`.
+            rest.next().context("--oidc-issuer needs a URL")?;
+        } else if arg == "--port" {
             port_text = Some(rest.next().context("--port needs a value")?.clone());
         } else if let Some(value) = arg.strip_prefix("--port=") {
             port_text = Some(value.to_owned());
-        } else {
+        } else if !arg.starts_with("--oidc-issuer=") {
             bail!("unexpected argument {arg:?}; {usage}");
         }
     }
@@ -198,6 +209,61 @@ fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)
         None => DEFAULT_PORT,
     };
     Ok((action, port))
+}
+
+/// The identity provider whose tokens a freshly formatted broker takes:
+/// `--oidc-issuer URL`, else `$TINYFLOW_OIDC_ISSUER`, else none.
+fn oidc_issuer(args: &[String]) -> Option<String> {
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--oidc-issuer" {
+            return it.next().cloned();
+        }
+        if let Some(url) = arg.strip_prefix("--oidc-issuer=") {
+            return Some(url.to_owned());
+        }
+    }
+    std::env::var("TINYFLOW_OIDC_ISSUER")
+        .ok()
+        .filter(|url| !url.is_empty())
+}
+
+/// What the secured listener needs to take OAUTHBEARER tokens of `issuer`;
+/// appended to `server.properties` (a later line wins over an earlier one).
+fn oidc_properties(issuer: &str) -> String {
+    let issuer = issuer.trim_end_matches('/');
+    format!(
+        "\n# OAUTHBEARER with tokens of the OpenID Connect provider {issuer} (--oidc-issuer)\n\
+         sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512,PLAIN,OAUTHBEARER\n\
+         listener.name.sasl_ssl.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required;\n\
+         listener.name.sasl_ssl.oauthbearer.sasl.server.callback.handler.class=org.apache.kafka.common.security.oauthbearer.OAuthBearerValidatorCallbackHandler\n\
+         {JWKS_KEY}={issuer}/protocol/openid-connect/certs\n\
+         sasl.oauthbearer.expected.issuer={issuer}\n\
+         sasl.oauthbearer.expected.audience={OIDC_AUDIENCE}\n\
+         # Clients log in again every 10 s, so a client that does not renew its token in time\n\
+         # (Keycloak's last 20 s) loses its connections.\n\
+         listener.name.sasl_ssl.oauthbearer.connections.max.reauth.ms=10000\n"
+    )
+}
+
+/// Where the broker fetches the keys tokens are checked with.
+const JWKS_KEY: &str = "sasl.oauthbearer.jwks.endpoint.url";
+/// The audience tokens must carry (Keycloak's realm adds it; `keycloak.rs`).
+const OIDC_AUDIENCE: &str = crate::keycloak::AUDIENCE;
+
+/// The JVM option that lets the broker fetch the keys named in
+/// `properties` (Kafka 4 refuses any URL not listed in it), if any.
+fn allowed_urls_option(properties: &str) -> Option<String> {
+    properties
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(JWKS_KEY)?.strip_prefix('='))
+        .map(|url| {
+            format!(
+                "-Dorg.apache.kafka.sasl.oauthbearer.allowed.urls={}",
+                url.trim()
+            )
+        })
 }
 
 /// Where everything of the broker on one port lives.
@@ -254,7 +320,7 @@ enum Data {
     Keep,
 }
 
-fn start(layout: &Layout, data: Data) -> Result<()> {
+fn start(layout: &Layout, data: Data, oidc: Option<&str>) -> Result<()> {
     match broker_state(layout)? {
         BrokerState::Running(pid) => {
             eprintln!(
@@ -294,13 +360,16 @@ fn start(layout: &Layout, data: Data) -> Result<()> {
             layout.run_dir.display()
         );
     } else {
-        format_data_dir(layout, &classpath, &log4j)?;
+        format_data_dir(layout, &classpath, &log4j, oidc)?;
     }
     let log_path = layout.log_file();
+    let properties = fs::read_to_string(&properties_path)
+        .with_context(|| format!("reading {}", properties_path.display()))?;
     let mut java = Command::new("java");
     java.arg("-cp")
         .arg(&classpath)
         .args(BROKER_JVM_OPTS)
+        .args(allowed_urls_option(&properties))
         .arg(&log4j)
         .arg("kafka.Kafka")
         .arg(&properties_path);
@@ -339,7 +408,12 @@ fn start(layout: &Layout, data: Data) -> Result<()> {
 
 /// A fresh run directory: rendered `server.properties` and a formatted,
 /// empty data directory.
-fn format_data_dir(layout: &Layout, classpath: &str, log4j: &str) -> Result<()> {
+fn format_data_dir(
+    layout: &Layout,
+    classpath: &str,
+    log4j: &str,
+    oidc: Option<&str>,
+) -> Result<()> {
     if layout.run_dir.exists() {
         fs::remove_dir_all(&layout.run_dir)
             .with_context(|| format!("removing old {}", layout.run_dir.display()))?;
@@ -358,7 +432,7 @@ fn format_data_dir(layout: &Layout, classpath: &str, log4j: &str) -> Result<()> 
     let keystore_text = keystore
         .to_str()
         .context("the run directory path is not UTF-8")?;
-    let properties = render_properties(
+    let mut properties = render_properties(
         &template,
         &[
             ("PORT", layout.port.to_string()),
@@ -383,6 +457,10 @@ fn format_data_dir(layout: &Layout, classpath: &str, log4j: &str) -> Result<()> 
     .iter()
     .map(|(k, v)| format!("{k}={v}\n"))
     .collect::<String>();
+    if let Some(issuer) = oidc {
+        eprintln!("xtask kafka: the SASL_SSL listener takes OAUTHBEARER tokens of {issuer}");
+        properties.push_str(&oidc_properties(issuer));
+    }
     let env_path = layout.run_dir.join(SECURED_ENV);
     fs::write(&env_path, env).with_context(|| format!("writing {}", env_path.display()))?;
     let properties_path = layout.run_dir.join("server.properties");
@@ -1025,6 +1103,39 @@ mod tests {
         assert!(rendered.contains("ssl.keystore.location=/tmp/kafka/broker.p12\n"));
         assert!(rendered.contains("user_u=\"p\";"));
         assert!(render_properties("x=@OTHER@\n", &values).is_err());
+    }
+
+    #[test]
+    fn oidc_settings_name_the_issuers_keys_and_let_the_broker_fetch_them() {
+        let text = oidc_properties("http://127.0.0.1:8380/realms/tinyflow/");
+        assert!(
+            text.contains(
+                "sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512,PLAIN,OAUTHBEARER\n"
+            )
+        );
+        assert!(text.contains(
+            "sasl.oauthbearer.jwks.endpoint.url=http://127.0.0.1:8380/realms/tinyflow/protocol/openid-connect/certs\n"
+        ));
+        assert!(
+            text.contains(
+                "sasl.oauthbearer.expected.issuer=http://127.0.0.1:8380/realms/tinyflow\n"
+            )
+        );
+        assert_eq!(
+            allowed_urls_option(&format!("a=b\n{text}")).as_deref(),
+            Some(
+                "-Dorg.apache.kafka.sasl.oauthbearer.allowed.urls=http://127.0.0.1:8380/realms/tinyflow/protocol/openid-connect/certs"
+            )
+        );
+        assert_eq!(allowed_urls_option("a=b\n"), None);
+        assert_eq!(
+            oidc_issuer(&["start".into(), "--oidc-issuer".into(), "http://x".into()]).as_deref(),
+            Some("http://x")
+        );
+        assert_eq!(
+            parse_args(&["start".into(), "--oidc-issuer=http://x".into()], None).unwrap(),
+            (Action::Start, 9092)
+        );
     }
 
     #[test]

@@ -14,6 +14,9 @@
 //!   on loopback for the REST catalog tests (see `rest.rs`).
 //! - `s3 start|stop|status`: an S3 server (S3Proxy) on loopback for the tests
 //!   of tables on S3 storage (see `s3.rs`).
+//! - `keycloak start|stop|status`: Keycloak, an OpenID Connect identity
+//!   provider on loopback, for the tests of OAUTHBEARER with OIDC (see
+//!   `keycloak.rs`).
 //! - `py-setup`: pyiceberg in `target/pyiceberg-venv`, the independent
 //!   reader of the Iceberg tests (see `python.rs`).
 //!
@@ -34,6 +37,7 @@ use anyhow::{Context, Result, bail};
 
 mod java;
 mod kafka;
+mod keycloak;
 mod postgres;
 mod python;
 mod rest;
@@ -47,6 +51,7 @@ fn main() -> Result<()> {
         Some("postgres") => postgres::main(&args[1..]),
         Some("iceberg-rest") => java::main(&rest::SPEC, &args[1..]),
         Some("s3") => java::main(&s3::SPEC, &args[1..]),
+        Some("keycloak") => java::main(&keycloak::SPEC, &args[1..]),
         Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
         Some("demo") => run(
             "demo",
@@ -61,11 +66,13 @@ fn main() -> Result<()> {
             .args(&args[1..]),
         ),
         _ => {
-            eprintln!("usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|s3|py-setup>");
+            eprintln!(
+                "usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|s3|keycloak|py-setup>"
+            );
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
             eprintln!(
-                "  kafka start|stop|kill|restart|resume|discard|status [--port N]: a local Kafka broker for tests"
+                "  kafka start|stop|kill|restart|resume|discard|status [--port N] [--secured] [--oidc-issuer URL]: a local Kafka broker for tests"
             );
             eprintln!(
                 "  postgres start|stop|status [--port N]: a throwaway PostgreSQL server for the catalog tests"
@@ -75,6 +82,9 @@ fn main() -> Result<()> {
             );
             eprintln!(
                 "  s3 start|stop|status [--port N]: an S3 server (S3Proxy) for the tests of tables on S3"
+            );
+            eprintln!(
+                "  keycloak start|stop|status [--port N]: an OpenID Connect identity provider for the OAUTHBEARER tests"
             );
             eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
             bail!("unknown or missing command {:?}", args.first());
@@ -106,9 +116,12 @@ fn ci() -> Result<()> {
     let mut counts = TestCounts::default();
     // The Iceberg tests read tables back with pyiceberg.
     let python = python::setup()?;
+    // An OpenID Connect identity provider, started before the broker, which
+    // checks the tokens it issues with the keys it publishes.
+    let idp = java::ci_start(&keycloak::SPEC)?;
     // Integration tests read and write a real Kafka broker; it stops when
     // `broker` is dropped, also when a step fails.
-    let broker = kafka::CiBroker::start()?;
+    let broker = kafka::CiBroker::start(&idp.url)?;
     // The Iceberg SQL catalog on PostgreSQL, as in production.
     let postgres = postgres::ci_start()?;
     // Iceberg's REST catalog server, the other production catalog.
@@ -125,6 +138,8 @@ fn ci() -> Result<()> {
             .env("TINYFLOW_POSTGRES_URL", &postgres.url)
             .env("TINYFLOW_REST_CATALOG_URL", &rest.url)
             .env("TINYFLOW_S3_ENDPOINT", &s3.url)
+            .env("TINYFLOW_OIDC_ISSUER", &idp.url)
+            .envs(keycloak::SPEC.env.iter().copied())
             .env("TINYFLOW_PYTHON", &python)
             // Tests that stop and restart a broker of their own run this
             // binary's `kafka` command.
@@ -135,6 +150,7 @@ fn ci() -> Result<()> {
     drop(postgres);
     drop(rest);
     drop(s3);
+    drop(idp);
     // The README's demo command, shortened: it checks exactly-once itself
     // and fails when the table does not hold every bid once. The tests
     // built the binary (the chaos test needs it) next to this one.
