@@ -331,7 +331,7 @@ async fn partitions_added_while_running_or_down_are_read_once() {
 }
 
 /// One source subtask reading `config`, driven by hand.
-fn reader(config: KafkaSourceConfig) -> Box<dyn Source<KafkaRecord<Rec>>> {
+pub(crate) fn reader(config: KafkaSourceConfig) -> Box<dyn Source<KafkaRecord<Rec>>> {
     let ctx = OperatorContext {
         name: "kafka".into(),
         subtask: 0,

@@ -1053,7 +1053,13 @@ async fn two_live_runs_of_one_job_the_newer_fences_the_older_inside_its_commit()
 
 /// The example job for a secured cluster (`examples/jobs/secured.toml`).
 fn secured_example() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/secured.toml")
+    example_job("secured.toml")
+}
+
+fn example_job(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs")
+        .join(name)
 }
 
 /// The example job for a secured cluster, run as it is against the test
@@ -1064,18 +1070,52 @@ fn secured_example() -> PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_secured_example_job_reads_every_record_once_and_shows_no_secret() {
     let secured = tinyflow_connectors_kafka::testing::secured();
+    secured_job_reads_once_showing_no_secret(&secured_example(), "bids", &[], &secured.password)
+        .await;
+}
+
+/// The example job that logs in with OAUTHBEARER and the OIDC
+/// client-credentials flow (`examples/jobs/secured-oidc.toml`), run as it
+/// is against the test broker and its identity provider (Keycloak): the
+/// same as the SCRAM job, and the client secret shows nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oidc_example_job_reads_every_record_once_and_shows_no_secret() {
+    let oidc = tinyflow_connectors_kafka::testing::oidc();
+    secured_job_reads_once_showing_no_secret(
+        &example_job("secured-oidc.toml"),
+        "oidc_bids",
+        &[
+            ("OIDC_ISSUER", oidc.issuer.as_str()),
+            ("OIDC_CLIENT_ID", oidc.client_id.as_str()),
+            ("OIDC_CLIENT_SECRET", oidc.client_secret.as_str()),
+        ],
+        &oidc.client_secret,
+    )
+    .await;
+}
+
+/// Runs `job` (an example on the secured listener, writing
+/// `secured.<table>`) with `envs` and every log on, on a fresh topic:
+/// every record once, exit 0 on SIGTERM, and `secret` in no output of the
+/// run, of `validate` or of `inspect`.
+async fn secured_job_reads_once_showing_no_secret(
+    job: &Path,
+    table: &str,
+    envs: &[(&str, &str)],
+    secret: &str,
+) {
     let n = 3_000u64;
     let (_, topic) = fresh_topic("secured-bids", n).await;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
-    let job = secured_example();
     let data = dir.to_str().unwrap();
-    let envs = [("TOPIC", topic.as_str()), ("TINYFLOW_DATA", data)];
-    let mut run = Run::start_env(&job, &dir, 0, "debug", 0, &envs);
+    let mut envs = envs.to_vec();
+    envs.extend([("TOPIC", topic.as_str()), ("TINYFLOW_DATA", data)]);
+    let mut run = Run::start_env(job, &dir, 0, "debug", 0, &envs);
     let reader = TableReader::open(
         &tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir),
         "secured",
-        "bids",
+        table,
     )
     .await
     .unwrap();
@@ -1091,7 +1131,7 @@ async fn the_secured_example_job_reads_every_record_once_and_shows_no_secret() {
     }
     let log_path = run.log.clone();
     run.stop();
-    let table = tinyflow_tests::pyiceberg_read(&dir, "secured.bids", &["id", "price"]);
+    let table = tinyflow_tests::pyiceberg_read(&dir, &format!("secured.{table}"), &["id", "price"]);
     assert_eq!(table["rows"], n, "{table}");
     assert_eq!(table["distinct_ids"], n, "{table}");
     let mut output = std::fs::read_to_string(&log_path).unwrap();
@@ -1113,10 +1153,7 @@ async fn the_secured_example_job_reads_every_record_once_and_shows_no_secret() {
         output.push_str(&String::from_utf8_lossy(&out.stdout));
         output.push_str(&String::from_utf8_lossy(&out.stderr));
     }
-    assert!(
-        !output.contains(&secured.password),
-        "the password shows in the output"
-    );
+    assert!(!output.contains(secret), "the secret shows in the output");
 }
 
 /// The same job with a wrong password: it fails within 30 s, for good (exit

@@ -202,6 +202,15 @@ fn speaks_tls(address: &str) -> bool {
 /// told.
 const PROTOCOL_MISMATCH: &str = "the broker's listener speaks another protocol: check security.protocol (SSL or SASL_SSL for a TLS listener)";
 
+/// How librdkafka begins an error of getting an OAUTHBEARER token.
+const TOKEN_FAILURE: &str = "Failed to acquire SASL OAUTHBEARER token";
+/// The identity provider answered the token request with an OAuth error.
+const OIDC_REFUSED: &str = "the identity provider refused the token request: check sasl.oauthbearer.client.id, sasl.oauthbearer.client.secret and sasl.oauthbearer.token.endpoint.url";
+/// The token request got no OAuth answer.
+const OIDC_UNREACHABLE: &str = "no token from the identity provider: check sasl.oauthbearer.token.endpoint.url (and https.ca.location for an https endpoint)";
+/// The broker refused a token the client had.
+const TOKEN_REFUSED: &str = "the broker refused the OAUTHBEARER token: check sasl.oauthbearer.scope, and that the broker expects the token's issuer and audience";
+
 /// How sure a security problem is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Certainty {
@@ -215,16 +224,34 @@ pub(crate) enum Certainty {
 }
 
 /// Whether a client error says the security settings do not fit the
-/// broker, what to check, and how sure it is: wrong credentials and a
-/// certificate not trusted are certain; a TLS handshake that fails, or a
-/// hint of a plaintext client on a TLS listener, only if nothing else
-/// answers. Retrying never mends these, so they fail the job for good.
+/// broker, what to check, and how sure it is: wrong credentials, a token
+/// request the identity provider refused, a token the broker refused and a
+/// certificate not trusted are certain; a TLS handshake that fails, a hint
+/// of a plaintext client on a TLS listener, or an identity provider that
+/// does not answer, only if it lasts until the request's time-out. Retrying never mends these, so they fail the job for good.
 pub(crate) fn security_problem(
     error: &KafkaError,
     reason: &str,
 ) -> Option<(&'static str, Certainty)> {
     use rdkafka::types::RDKafkaErrorCode as C;
     match error.rdkafka_error_code() {
+        // The client could not get a token from the identity provider
+        // (OAUTHBEARER with OIDC): librdkafka passes on the provider's
+        // OAuth error (RFC 6749 5.2, a JSON object with an `error`), or
+        // curl's words when the provider was not reached.
+        Some(C::Authentication) if reason.contains(TOKEN_FAILURE) => {
+            if reason.contains("\"error\"") {
+                Some((OIDC_REFUSED, Certainty::Now))
+            } else {
+                Some((OIDC_UNREACHABLE, Certainty::IfItLasts))
+            }
+        }
+        // The broker's answer to a token it refuses (RFC 7628 3.2.2).
+        Some(C::Authentication | C::SaslAuthenticationFailed)
+            if reason.contains("\"status\":\"invalid_token\"") =>
+        {
+            Some((TOKEN_REFUSED, Certainty::Now))
+        }
         Some(C::Authentication | C::SaslAuthenticationFailed) => Some((
             "authentication failed: check sasl.mechanism, sasl.username and sasl.password",
             Certainty::Now,

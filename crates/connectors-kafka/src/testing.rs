@@ -62,6 +62,50 @@ pub fn secured() -> Secured {
     }
 }
 
+/// The OpenID Connect identity provider whose tokens the secured listener
+/// takes (OAUTHBEARER): what `cargo xtask keycloak start` prints and
+/// `cargo xtask ci` exports.
+#[derive(Debug, Clone)]
+pub struct Oidc {
+    /// The issuer, e.g. `http://127.0.0.1:8380/realms/tinyflow`
+    /// (`TINYFLOW_OIDC_ISSUER`).
+    pub issuer: String,
+    /// A confidential client with the client-credentials grant
+    /// (`TINYFLOW_OIDC_CLIENT_ID`).
+    pub client_id: String,
+    /// Its secret (`TINYFLOW_OIDC_CLIENT_SECRET`).
+    pub client_secret: String,
+}
+
+impl Oidc {
+    /// The issuer's token endpoint (Keycloak's layout).
+    pub fn token_endpoint(&self) -> String {
+        format!("{}/protocol/openid-connect/token", self.issuer)
+    }
+}
+
+/// The identity provider of the test broker's OAUTHBEARER.
+///
+/// # Panics
+/// When a variable is not set: a test that needs it fails loudly rather
+/// than skipping.
+pub fn oidc() -> Oidc {
+    let var = |name: &str| {
+        std::env::var(name).unwrap_or_else(|_| {
+            panic!(
+                "{name} is not set: these tests need an OpenID Connect provider whose tokens the broker takes. \
+                 Run `cargo xtask ci` (it starts both), or `cargo xtask keycloak start`, export the lines it prints, \
+                 and start the broker with `cargo xtask kafka start --secured` after that"
+            )
+        })
+    };
+    Oidc {
+        issuer: var("TINYFLOW_OIDC_ISSUER"),
+        client_id: var("TINYFLOW_OIDC_CLIENT_ID"),
+        client_secret: var("TINYFLOW_OIDC_CLIENT_SECRET"),
+    }
+}
+
 /// Creates `topic` with `partitions` partitions (replication 1).
 pub async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) -> Result<(), String> {
     create_topic_with(bootstrap, topic, partitions, &[]).await
