@@ -20,8 +20,12 @@
 //! - `kafka_source`: the Kafka source against a real broker (`KAFKA_BOOTSTRAP`, started by
 //!   `cargo xtask ci`): replay without duplicates or gaps, rescaling, bad records, unknown topics.
 //! - `kafka_secure`: the Kafka source over the broker's SASL_SSL listener: SCRAM-SHA-256/512 and
-//!   PLAIN read every record once; a wrong password, an untrusted certificate and a plaintext
-//!   client on the TLS port fail within 30 s saying which setting to check.
+//!   PLAIN read every record once, and so does OAUTHBEARER with OIDC tokens of a real identity
+//!   provider (Keycloak), renewed while it reads; a wrong password, an untrusted certificate, a
+//!   plaintext client on the TLS port, a wrong client secret, a token for another audience and
+//!   an unreachable identity provider fail within 30 s saying which setting to check.
+//! - `kafka_raw`: values as they are (string or binary), keys and headers as columns, and
+//!   bytes that are not UTF-8 as bad records.
 //! - `kafka_dead_letter`: the dead-letter topic exactly once across crashes and restarts
 //!   (by hand, with a rescale, and through the runtime with injected failures), and bad
 //!   records too large for it sent truncated.
@@ -47,6 +51,7 @@ mod checkpoint_store;
 mod iceberg_identity;
 mod iceberg_sink;
 mod kafka_dead_letter;
+mod kafka_raw;
 mod kafka_secure;
 mod kafka_source;
 mod kafka_source_topics;

@@ -10,7 +10,9 @@ the warehouse to ask it for). The variable TINYFLOW_CATALOG_PROPERTIES, when
 set, holds further catalog properties as a JSON object (`s3.endpoint`,
 `s3.access-key-id`, ... for a warehouse on S3). Output keys: rows, distinct_ids, id_sum, id_min, id_max,
 value_sum (the sum of SUM_COLUMN, when given), files (the data files of
-the current snapshot),
+the current snapshot), dump (when the variable TINYFLOW_DUMP_COLUMNS names
+columns, comma-separated: every row's values of those columns, as lists, in
+table order; binary values as hex strings),
 partitions (the distinct partition values of the data files, each
 {field: value as a string}, sorted), snapshots (each
 snapshot's summary, oldest first), properties (the table's).
@@ -37,6 +39,7 @@ def main() -> None:
     table = catalog.load_table(table_name)
     data = table.scan().to_arrow()
     ids = data.column(id_column).to_pylist() if data.num_rows else []
+    numbers = [i for i in ids if isinstance(i, (int, float))]
     files = table.inspect.files().to_pylist()
     partitions = sorted(
         {
@@ -45,14 +48,21 @@ def main() -> None:
         }
     )
     snapshots = sorted(table.snapshots(), key=lambda s: (s.sequence_number, s.timestamp_ms))
+    dump_columns = [c for c in os.environ.get("TINYFLOW_DUMP_COLUMNS", "").split(",") if c]
+    dump = None
+    if dump_columns:
+        columns = [data.column(c).to_pylist() for c in dump_columns]
+        dump = [
+            [v.hex() if isinstance(v, bytes) else v for v in row] for row in zip(*columns)
+        ]
     print(
         json.dumps(
             {
                 "rows": data.num_rows,
                 "distinct_ids": len(set(ids)),
-                "id_sum": sum(ids),
-                "id_min": min(ids) if ids else None,
-                "id_max": max(ids) if ids else None,
+                "id_sum": sum(numbers),
+                "id_min": min(numbers) if numbers else None,
+                "id_max": max(numbers) if numbers else None,
                 "value_sum": sum(data.column(sum_column).to_pylist())
                 if sum_column and data.num_rows
                 else None,
@@ -64,6 +74,7 @@ def main() -> None:
                     for s in snapshots
                 ],
                 "properties": dict(table.properties),
+                "dump": dump,
             }
         )
     )

@@ -351,6 +351,26 @@ pub fn pyiceberg_read_catalog(
     table: &str,
     args: &[&str],
 ) -> serde_json::Value {
+    pyiceberg_read_dumping(catalog, table, args, &[])
+}
+
+/// Every row's values of `columns` of the table `table` (`namespace.name`)
+/// in the sqlite catalog under `dir`, as pyiceberg reads them: a list of
+/// rows, each a list (binary values as hex strings), in table order.
+///
+/// # Panics
+/// As [`pyiceberg_read_catalog`].
+pub fn pyiceberg_rows(dir: &std::path::Path, table: &str, columns: &[&str]) -> serde_json::Value {
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir);
+    pyiceberg_read_dumping(&catalog, table, &[columns[0]], columns)["dump"].take()
+}
+
+fn pyiceberg_read_dumping(
+    catalog: &tinyflow_connectors_iceberg::CatalogConfig,
+    table: &str,
+    args: &[&str],
+    dump: &[&str],
+) -> serde_json::Value {
     use tinyflow_connectors_iceberg::CatalogConfig;
     let (name, uri, warehouse, properties) = match catalog {
         // sqlx URIs to SQLAlchemy's.
@@ -399,6 +419,7 @@ pub fn pyiceberg_read_catalog(
             "TINYFLOW_CATALOG_PROPERTIES",
             serde_json::to_string(properties).expect("properties are strings"),
         )
+        .env("TINYFLOW_DUMP_COLUMNS", dump.join(","))
         .output()
         .unwrap_or_else(|e| {
             panic!(

@@ -63,8 +63,16 @@ pub struct SourceSection {
     pub group_id: Option<String>,
     /// `earliest` (default), `latest`, `committed` or `timestamp:<ms>`.
     pub start: Option<String>,
-    /// `json` (the only format for now).
+    /// `json` (default: the declared `fields`) or `raw` (the value as it
+    /// is, in the one column `value` names).
     pub format: Option<String>,
+    /// `raw` only: the value's column (default `value`, `string`).
+    pub value: Option<BytesColumn>,
+    /// The record's key as a column (default: not kept).
+    pub key: Option<BytesColumn>,
+    /// Headers kept as columns: `[[source.headers]]`.
+    #[serde(default)]
+    pub headers: Vec<HeaderSection>,
     /// `fail` (default), `skip` or `dead-letter:<topic>`.
     pub bad_records: Option<String>,
     /// Read up to the partitions' end offsets at start, then take a final
@@ -94,7 +102,8 @@ pub struct SourceSection {
     /// librdkafka settings passed through (`security.protocol`, ...).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
-    /// The record schema: `[[source.fields]]`, in column order.
+    /// The record schema: `[[source.fields]]`, in column order (`json`).
+    #[serde(default)]
     pub fields: Vec<FieldSection>,
     /// `[source.event_time]`
     pub event_time: Option<EventTimeSection>,
@@ -123,6 +132,33 @@ pub struct FieldSection {
     /// A record without it (or with null) is bad (default false).
     #[serde(default)]
     pub required: bool,
+}
+
+/// Bytes of a record (its value with `format = "raw"`, its key) as a
+/// column: `{ column = "key", type = "string" }`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BytesColumn {
+    /// The column's name (default `value` or `key`).
+    pub column: Option<String>,
+    /// `string` (UTF-8; other bytes make the record bad; the default) or
+    /// `binary`.
+    #[serde(rename = "type")]
+    pub ty: Option<String>,
+}
+
+/// One `[[source.headers]]`: a record header kept as a column.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderSection {
+    /// The header's name.
+    pub name: String,
+    /// The column's name (default: the header's, with each character other
+    /// than a letter, digit or `_` made `_`).
+    pub column: Option<String>,
+    /// `string` (the default) or `binary`.
+    #[serde(rename = "type")]
+    pub ty: Option<String>,
 }
 
 /// `[source.event_time]`: where event time comes from.

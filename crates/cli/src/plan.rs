@@ -18,12 +18,12 @@ use tinyflow_connectors_iceberg::{
     FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
 };
 use tinyflow_connectors_kafka::{
-    BadRecordPolicy, Coercion, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig,
+    BadRecordPolicy, BytesAs, Coercion, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig,
     StartPosition, offsets_of_positions,
 };
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
-use crate::jobfile::{CatalogSection, JobFile, RestartSection, SourceSection};
+use crate::jobfile::{BytesColumn, CatalogSection, JobFile, RestartSection, SourceSection};
 use crate::transform::{TransformFactory, Transforms};
 use crate::{JobFileError, parse_duration};
 
@@ -100,6 +100,7 @@ fn column_type(field: &Field) -> Result<ColumnType, String> {
         DataType::Float32 => ColumnType::Float,
         DataType::Float64 => ColumnType::Double,
         DataType::Utf8 | DataType::LargeUtf8 => ColumnType::String,
+        DataType::Binary | DataType::LargeBinary => ColumnType::Binary,
         DataType::Date32 => ColumnType::Date,
         DataType::Timestamp(_, None) => ColumnType::Timestamp,
         DataType::Timestamp(_, Some(_)) => ColumnType::Timestamptz,
@@ -110,6 +111,113 @@ fn column_type(field: &Field) -> Result<ColumnType, String> {
             ));
         }
     })
+}
+
+/// The value's format: `json` (the declared fields) or `raw` (one column).
+fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
+    match s.format.as_deref().map(str::trim) {
+        None | Some("json") => {}
+        Some("raw") => {
+            let what = "with format = \"raw\" the value is one column (source.value)";
+            if !s.fields.is_empty() {
+                return Err(err("source.fields", format!("not taken: {what}")));
+            }
+            if s.strict {
+                return Err(err("source.strict", format!("not taken: {what}")));
+            }
+            if !s.coerce.is_empty() {
+                return Err(err("source.coerce", format!("not taken: {what}")));
+            }
+            let value = s.value.clone().unwrap_or_default();
+            let (column, ty) = bytes_column("source.value", &value, "value")?;
+            return Ok(JsonArrow::raw(&column, ty));
+        }
+        Some(other) => {
+            return Err(err(
+                "source.format",
+                format!("`{other}`: expected json or raw"),
+            ));
+        }
+    }
+    if s.value.is_some() {
+        return Err(err(
+            "source.value",
+            "only with format = \"raw\"; a JSON value's columns are source.fields",
+        ));
+    }
+    if s.fields.is_empty() {
+        return Err(err(
+            "source.fields",
+            "expected at least one [[source.fields]]",
+        ));
+    }
+    let mut fields = Vec::with_capacity(s.fields.len());
+    for (i, f) in s.fields.iter().enumerate() {
+        if f.name.is_empty() {
+            return Err(err(&format!("source.fields[{i}].name"), "expected a name"));
+        }
+        if fields.iter().any(|g: &Field| g.name() == &f.name) {
+            return Err(err(
+                &format!("source.fields[{i}].name"),
+                format!("`{}` is declared twice", f.name),
+            ));
+        }
+        let ty = arrow_type(&format!("source.fields[{i}].type"), &f.ty)?;
+        fields.push(Field::new(&f.name, ty, !f.required));
+    }
+    let mut format = JsonArrow::new(Arc::new(Schema::new(fields)));
+    if s.strict {
+        format = format.strict();
+    }
+    for (i, name) in s.coerce.iter().enumerate() {
+        let Some(c) = Coercion::from_name(name.trim()) else {
+            return Err(err(
+                &format!("source.coerce[{i}]"),
+                format!(
+                    "`{name}`: expected one of {}",
+                    Coercion::ALL.map(Coercion::name).join(", ")
+                ),
+            ));
+        };
+        format = format.coerce(c);
+    }
+    Ok(format)
+}
+
+/// A `{ column, type }` at `key` (the column named `default` unless given).
+fn bytes_column(
+    key: &str,
+    c: &BytesColumn,
+    default: &str,
+) -> Result<(String, BytesAs), JobFileError> {
+    let column = c.column.clone().unwrap_or_else(|| default.to_owned());
+    if column.is_empty() {
+        return Err(err(&format!("{key}.column"), "expected a column name"));
+    }
+    Ok((column, bytes_type(&format!("{key}.type"), c.ty.as_deref())?))
+}
+
+fn bytes_type(key: &str, ty: Option<&str>) -> Result<BytesAs, JobFileError> {
+    match ty.map(str::trim) {
+        None => Ok(BytesAs::String),
+        Some(t) => BytesAs::from_name(t)
+            .ok_or_else(|| err(key, format!("`{t}`: expected string or binary"))),
+    }
+}
+
+/// A header's name as a column name: each character other than a letter,
+/// digit or `_` made `_` (`trace-id` -> `trace_id`).
+fn column_name(header: &str) -> String {
+    header
+        .chars()
+        .map(|c| {
+            if c.is_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobFileError> {
@@ -163,12 +271,6 @@ fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobF
             }
         },
     };
-    match s.format.as_deref() {
-        None | Some("json") => {}
-        Some(other) => {
-            return Err(err("source.format", format!("`{other}`: expected json")));
-        }
-    }
     if let Some(b) = s.batch_size {
         if b == 0 {
             return Err(err("source.batch_size", "expected at least 1"));
@@ -373,44 +475,22 @@ impl JobFile {
             return Err(err("job.parallelism", "expected at least 1"));
         }
         let s = &self.source;
-        if s.fields.is_empty() {
-            return Err(err(
-                "source.fields",
-                "expected at least one [[source.fields]]",
-            ));
+        let mut format = value_format(s)?;
+        if let Some(key) = &s.key {
+            let (column, ty) = bytes_column("source.key", key, "key")?;
+            format = format.with_key_column(&column, ty);
         }
-        let mut fields = Vec::with_capacity(s.fields.len());
-        for (i, f) in s.fields.iter().enumerate() {
-            if f.name.is_empty() {
-                return Err(err(&format!("source.fields[{i}].name"), "expected a name"));
+        for (i, h) in s.headers.iter().enumerate() {
+            let at = format!("source.headers[{i}]");
+            if h.name.is_empty() {
+                return Err(err(&format!("{at}.name"), "expected a header name"));
             }
-            if fields.iter().any(|g: &Field| g.name() == &f.name) {
-                return Err(err(
-                    &format!("source.fields[{i}].name"),
-                    format!("`{}` is declared twice", f.name),
-                ));
-            }
-            let ty = arrow_type(&format!("source.fields[{i}].type"), &f.ty)?;
-            fields.push(Field::new(&f.name, ty, !f.required));
-        }
-        let mut format = JsonArrow::new(Arc::new(Schema::new(fields)));
-        if s.strict {
-            format = format.strict();
+            let column = h.column.clone().unwrap_or_else(|| column_name(&h.name));
+            let ty = bytes_type(&format!("{at}.type"), h.ty.as_deref())?;
+            format = format.with_header_column(&h.name, &column, ty);
         }
         if s.metadata_columns {
             format = format.with_metadata_columns();
-        }
-        for (i, name) in s.coerce.iter().enumerate() {
-            let Some(c) = Coercion::from_name(name.trim()) else {
-                return Err(err(
-                    &format!("source.coerce[{i}]"),
-                    format!(
-                        "`{name}`: expected one of {}",
-                        Coercion::ALL.map(Coercion::name).join(", ")
-                    ),
-                ));
-            };
-            format = format.coerce(c);
         }
         let mut kafka = source_config(s, &self.job.name)?;
         if let Some(start) = start {
@@ -845,11 +925,23 @@ mod tests {
 
     const EXAMPLE: &str = include_str!("../../../examples/jobs/bids.toml");
 
+    /// The first line of `edited` that differs from `original`.
+    fn first_difference(original: &str, edited: &str) -> String {
+        edited
+            .lines()
+            .zip(original.lines())
+            .find(|(e, o)| e != o)
+            .map_or_else(String::new, |(e, _)| e.to_owned())
+    }
+
     fn plan_error(edit: impl Fn(&str) -> String) -> String {
         let text = edit(EXAMPLE);
         assert_ne!(text, EXAMPLE, "the edit changed nothing");
         match JobFile::parse(&text, "job.toml").and_then(|f| f.plan()) {
-            Ok(_) => panic!("the edited job file was accepted"),
+            Ok(_) => panic!(
+                "the edited job file was accepted: {}",
+                first_difference(EXAMPLE, &text)
+            ),
             Err(e) => e.to_string(),
         }
     }
@@ -933,6 +1025,38 @@ mod tests {
     }
 
     #[test]
+    fn keys_and_headers_become_columns_after_the_value_and_before_the_metadata() {
+        let text = EXAMPLE.replacen(
+            "[[source.fields]]",
+            "key = { column = \"bidder_key\" }\nmetadata_columns = true\n\n\
+             [[source.headers]]\nname = \"trace-id\"\n\n\
+             [[source.headers]]\nname = \"sig\"\ncolumn = \"signature\"\ntype = \"binary\"\n\n\
+             [[source.fields]]",
+            1,
+        );
+        let plan = JobFile::parse(&text, "job.toml").unwrap().plan().unwrap();
+        let columns: Vec<String> = plan
+            .source_schema
+            .fields()
+            .iter()
+            .skip(6)
+            .map(|f| format!("{}:{}:{}", f.name(), f.data_type(), f.is_nullable()))
+            .collect();
+        assert_eq!(
+            columns,
+            [
+                "bidder_key:Utf8:true",
+                "trace_id:Utf8:true",
+                "signature:Binary:true",
+                "_kafka_topic:Utf8:false",
+                "_kafka_partition:Int32:false",
+                "_kafka_offset:Int64:false",
+                "_kafka_timestamp:Int64:true",
+            ]
+        );
+    }
+
+    #[test]
     fn metrics_linger_needs_the_endpoint_and_a_duration() {
         let e = plan_error(|t| t.replace("address = \"127.0.0.1:9898\"", "port = 1"));
         assert!(e.contains("port"), "{e}");
@@ -971,7 +1095,7 @@ mod tests {
         for (edit, want) in [
             (
                 ("retained = 3", "retaind = 3"),
-                "job.toml:81: `retaind = 3`: unknown field `retaind`",
+                "job.toml:85: `retaind = 3`: unknown field `retaind`",
             ),
             (
                 ("parallelism = 2 ", "parallelism = \"two\" "),
@@ -1031,6 +1155,33 @@ mod tests {
             (
                 ("dir = \"tinyflow-data\"\n", "warehouse = \"file:///w\"\n"),
                 "sink.catalog.warehouse: a sqlite catalog keeps its warehouse in `dir`",
+            ),
+            (
+                ("format = \"json\"", "format = \"avro\""),
+                "source.format: `avro`: expected json or raw",
+            ),
+            (
+                ("format = \"json\"", "format = \"raw\""),
+                "source.fields: not taken: with format = \"raw\" the value is one column",
+            ),
+            (
+                ("start = \"earliest\"", "value = { column = \"v\" }"),
+                "source.value: only with format = \"raw\"",
+            ),
+            (
+                ("start = \"earliest\"", "key = { type = \"text\" }"),
+                "source.key.type: `text`: expected string or binary",
+            ),
+            (
+                ("start = \"earliest\"", "key = { column = \"price\" }"),
+                "source.schema: column `price` is named twice",
+            ),
+            (
+                (
+                    "[[source.fields]]",
+                    "[[source.headers]]\nname = \"\"\n\n[[source.fields]]",
+                ),
+                "source.headers[0].name: expected a header name",
             ),
         ] {
             let err = plan_error(|t| t.replacen(edit.0, edit.1, 1));

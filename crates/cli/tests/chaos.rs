@@ -40,6 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
+use serde_json::json;
 use tinyflow_connectors_iceberg::TableReader;
 use tinyflow_connectors_kafka::testing::{create_topic, produce_stream};
 use tinyflow_tests::SplitMix64;
@@ -841,6 +842,123 @@ fn files_under(dir: &Path) -> u64 {
             if path.is_dir() { files_under(&path) } else { 1 }
         })
         .sum()
+}
+
+// ---- formats through the product ----
+
+/// A bounded job of `format = "raw"` (log lines) with the key and three
+/// headers as columns, one of them binary: pyiceberg reads back every row
+/// value for value; a tombstone's value and a missing
+/// key or header are null; a record whose key is not UTF-8 is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_job_keeps_values_keys_and_headers_value_for_value() {
+    use tinyflow_connectors_kafka::testing::{ToProduce, produce_records};
+    let (bootstrap, topic) = new_topic("raw-lines").await;
+    let n = 500u32;
+    let mut records: Vec<ToProduce> = (0..n)
+        .map(|i| ToProduce {
+            partition: (i % PARTITIONS as u32) as i32,
+            key: (i % 3 != 0).then(|| format!("host-{}", i % 7).into_bytes()),
+            value: (i % 50 != 0).then(|| format!("{i} GET /index.html 200").into_bytes()),
+            headers: [
+                Some(("seq".to_owned(), Some(i.to_string().into_bytes()))),
+                (i % 2 == 0).then(|| ("sig".to_owned(), Some(vec![0xde, 0xad, i as u8]))),
+                (i == 7).then(|| ("env".to_owned(), Some(b"test".to_vec()))),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
+        })
+        .collect();
+    records.push(ToProduce {
+        key: Some(vec![0xff, 0xfe]),
+        value: Some(b"a key that is not UTF-8".to_vec()),
+        headers: vec![("seq".to_owned(), Some(b"-1".to_vec()))],
+        ..ToProduce::default()
+    });
+    produce_records(&bootstrap, &topic, &records).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = dir.join("raw.toml");
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+name = "raw-lines"
+parallelism = 2
+
+[source]
+bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+bounded = true
+bad_records = "skip"
+format = "raw"
+value = {{ column = "line" }}
+key = {{ column = "host", type = "string" }}
+metadata_columns = true
+
+[[source.headers]]
+name = "seq"
+
+[[source.headers]]
+name = "sig"
+column = "signature"
+type = "binary"
+
+[[source.headers]]
+name = "env"
+
+[sink]
+namespace = "logs"
+table = "lines"
+catalog = {{ type = "sqlite", dir = "{dir}" }}
+
+[checkpoint]
+interval = "300ms"
+dir = "{dir}/checkpoints"
+"#,
+            dir = dir.display()
+        ),
+    )
+    .unwrap();
+    let mut run = Run::start(&job, &dir, 0);
+    run.exits_0_within_120_s("a bounded raw job still ran after 120 s");
+    let rows = tinyflow_tests::pyiceberg_rows(
+        &dir,
+        "logs.lines",
+        &[
+            "seq",
+            "line",
+            "host",
+            "signature",
+            "env",
+            "_kafka_partition",
+        ],
+    );
+    let mut got: Vec<Vec<serde_json::Value>> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_array().unwrap().clone())
+        .collect();
+    got.sort_by_key(|r| r[0].as_str().unwrap().parse::<i64>().unwrap());
+    let want: Vec<Vec<serde_json::Value>> = (0..n)
+        .map(|i| {
+            vec![
+                json!(i.to_string()),
+                json!((i % 50 != 0).then(|| format!("{i} GET /index.html 200"))),
+                json!((i % 3 != 0).then(|| format!("host-{}", i % 7))),
+                json!((i % 2 == 0).then(|| format!("dead{:02x}", i as u8))),
+                json!((i == 7).then_some("test")),
+                json!(i % PARTITIONS as u32),
+            ]
+        })
+        .collect();
+    assert_eq!(got.len(), want.len(), "rows");
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g, w);
+    }
 }
 
 // ---- the table is the truth: through the product ----

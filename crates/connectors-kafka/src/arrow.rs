@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use arrow_array::{
-    Array, ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray,
-    TimestampMillisecondArray, TimestampNanosecondArray, TimestampSecondArray,
+    Array, ArrayRef, BinaryArray, Int32Array, Int64Array, RecordBatch, StringArray,
+    TimestampMicrosecondArray, TimestampMillisecondArray, TimestampNanosecondArray,
+    TimestampSecondArray,
 };
 use arrow_json::reader::{Decoder, ReaderBuilder};
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
-use rdkafka::message::Message;
+use rdkafka::message::{Headers, Message};
 use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamResult};
 
 use crate::bad_record::{BadReason, BadRecord};
@@ -67,6 +68,82 @@ impl Coercion {
     }
 }
 
+/// How bytes of a record (its key, a header, or its whole value with
+/// [`JsonArrow::raw`]) become a column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BytesAs {
+    /// A UTF-8 string column; bytes that are not UTF-8 make the record bad
+    /// ([`BadReason::Undecodable`]).
+    String,
+    /// A binary column, the bytes as they are.
+    Binary,
+}
+
+impl BytesAs {
+    /// Its name in job files: `string` or `binary`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BytesAs::String => "string",
+            BytesAs::Binary => "binary",
+        }
+    }
+
+    /// The one of this [`name`](BytesAs::name).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [BytesAs::String, BytesAs::Binary]
+            .into_iter()
+            .find(|b| b.name() == name)
+    }
+
+    fn data_type(self) -> DataType {
+        match self {
+            BytesAs::String => DataType::Utf8,
+            BytesAs::Binary => DataType::Binary,
+        }
+    }
+
+    /// A column of `values` (null where `None`); `None` if a string is not
+    /// UTF-8 (checked before, by [`BytesAs::check`]).
+    fn column<'a>(self, values: impl Iterator<Item = Option<&'a [u8]>>) -> Option<ArrayRef> {
+        Some(match self {
+            BytesAs::String => Arc::new(
+                values
+                    .map(|v| v.map(std::str::from_utf8).transpose())
+                    .collect::<Result<StringArray, _>>()
+                    .ok()?,
+            ),
+            BytesAs::Binary => Arc::new(values.collect::<BinaryArray>()),
+        })
+    }
+
+    /// Why `bytes`, the record's `what`, cannot be a value of this column.
+    fn check(self, what: &str, bytes: Option<&[u8]>) -> Option<BadRecord> {
+        match (self, bytes) {
+            (BytesAs::String, Some(b)) => std::str::from_utf8(b).err().map(|e| {
+                BadRecord::new(BadReason::Undecodable, format!("{what} is not UTF-8: {e}"))
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// What a record's value is decoded as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Value {
+    /// A JSON object, into the declared columns.
+    Json,
+    /// The bytes as they are, in one column (null for a tombstone).
+    Raw(BytesAs),
+}
+
+/// A header taken into a column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HeaderColumn {
+    header: String,
+    column: String,
+    ty: BytesAs,
+}
+
 /// JSON objects decoded into Arrow batches of a declared schema
 /// (arrow-json): each poll of up to `batch_size` records becomes one batch.
 ///
@@ -81,6 +158,9 @@ pub struct JsonArrow {
     strict: bool,
     metadata: bool,
     allow: Allow,
+    value: Value,
+    key: Option<(String, BytesAs)>,
+    headers: Vec<HeaderColumn>,
 }
 
 impl JsonArrow {
@@ -93,7 +173,76 @@ impl JsonArrow {
             strict: false,
             metadata: false,
             allow: Allow::default(),
+            value: Value::Json,
+            key: None,
+            headers: Vec::new(),
         }
+    }
+
+    /// Not JSON: each record's value as it is, in one nullable column
+    /// `column` (null for a record without a value, a tombstone). Larger
+    /// than the source's `max_record_bytes` is still bad (`too_large`).
+    pub fn raw(column: &str, ty: BytesAs) -> Self {
+        JsonArrow {
+            value: Value::Raw(ty),
+            ..JsonArrow::new(Arc::new(Schema::new(vec![Field::new(
+                column,
+                ty.data_type(),
+                true,
+            )])))
+        }
+    }
+
+    /// Appends the record's key as the nullable column `column` (null for
+    /// a record without a key), after the value's columns.
+    pub fn with_key_column(mut self, column: &str, ty: BytesAs) -> Self {
+        self.key = Some((column.to_owned(), ty));
+        self
+    }
+
+    /// Appends the value of the record's header `header` as the nullable
+    /// column `column`, after the key's (null when the record lacks the
+    /// header or it has no value; the last one when it has the header
+    /// more than once, as a map of headers would keep).
+    pub fn with_header_column(mut self, header: &str, column: &str, ty: BytesAs) -> Self {
+        self.headers.push(HeaderColumn {
+            header: header.to_owned(),
+            column: column.to_owned(),
+            ty,
+        });
+        self
+    }
+
+    /// The columns after the value's, in order: the key, the headers, the
+    /// metadata columns.
+    fn extra_fields(&self) -> Vec<Field> {
+        let mut fields = Vec::new();
+        if let Some((name, ty)) = &self.key {
+            fields.push(Field::new(name, ty.data_type(), true));
+        }
+        for h in &self.headers {
+            fields.push(Field::new(&h.column, h.ty.data_type(), true));
+        }
+        if self.metadata {
+            fields.push(Field::new(METADATA_COLUMNS[0], DataType::Utf8, false));
+            fields.push(Field::new(METADATA_COLUMNS[1], DataType::Int32, false));
+            fields.push(Field::new(METADATA_COLUMNS[2], DataType::Int64, false));
+            fields.push(Field::new(METADATA_COLUMNS[3], DataType::Int64, true));
+        }
+        fields
+    }
+
+    /// A column named twice among the value's, key, header and metadata
+    /// columns.
+    fn duplicate_column(&self) -> Option<String> {
+        let fields = self.output_schema();
+        let mut seen = std::collections::HashSet::new();
+        fields
+            .fields()
+            .iter()
+            .map(|f| f.name())
+            .find(|n| !seen.insert(n.as_str()))
+            .cloned()
     }
 
     /// Allows one lossy conversion (see [`Coercion`]); call once for each.
@@ -121,14 +270,12 @@ impl JsonArrow {
 
     /// The schema of the batches the source emits.
     pub fn output_schema(&self) -> SchemaRef {
-        if !self.metadata {
+        let extra = self.extra_fields();
+        if extra.is_empty() {
             return Arc::clone(&self.schema);
         }
         let mut fields: Vec<Field> = self.schema.fields().iter().map(|f| (**f).clone()).collect();
-        fields.push(Field::new(METADATA_COLUMNS[0], DataType::Utf8, false));
-        fields.push(Field::new(METADATA_COLUMNS[1], DataType::Int32, false));
-        fields.push(Field::new(METADATA_COLUMNS[2], DataType::Int64, false));
-        fields.push(Field::new(METADATA_COLUMNS[3], DataType::Int64, true));
+        fields.extend(extra);
         Arc::new(Schema::new_with_metadata(
             fields,
             self.schema.metadata().clone(),
@@ -225,6 +372,14 @@ impl KafkaArrowSource {
     /// connecting.
     pub fn validate(&self) -> StreamResult<()> {
         self.config.validate_limits()?;
+        if let Some(name) = self.format.duplicate_column() {
+            return Err(StreamError::Config {
+                key: "source.schema",
+                message: format!(
+                    "column `{name}` is named twice (among the value's columns, the key's, the headers' and the metadata columns)"
+                ),
+            });
+        }
         self.format.decoder(1).map_err(|e| StreamError::Config {
             key: "source.schema",
             message: format!("the JSON decoder rejects the declared schema: {e}"),
@@ -344,8 +499,18 @@ impl JsonArrowDecoder {
 
     /// Decodes `payloads`, leaving in `self.bad` why each is bad.
     fn decode_batch(&mut self, payloads: &[&[u8]]) -> Option<RecordBatch> {
-        self.bad.clear();
-        self.bad.resize(payloads.len(), None);
+        self.decode_batch_after(payloads, vec![None; payloads.len()])
+    }
+
+    /// As [`decode_batch`](Self::decode_batch), the records `known` names
+    /// already bad (for their key or a header) left out.
+    fn decode_batch_after(
+        &mut self,
+        payloads: &[&[u8]],
+        known: Vec<Option<BadRecord>>,
+    ) -> Option<RecordBatch> {
+        debug_assert_eq!(known.len(), payloads.len());
+        self.bad = known;
         let mut scanned = 0;
         loop {
             let mut decoder = match self.format.decoder(payloads.len()) {
@@ -396,6 +561,9 @@ impl JsonArrowDecoder {
         for (i, payload) in payloads.iter().enumerate() {
             if i >= *scanned {
                 *scanned = i + 1;
+                if self.bad[i].is_some() {
+                    continue;
+                }
                 if let Err(bad) = scan(payload, &self.limits, &self.columns) {
                     self.bad[i] = Some(bad);
                 }
@@ -446,16 +614,90 @@ struct ArrowDecoder {
     from: Option<TimeFrom<RecordBatch>>,
 }
 
+/// The value of `msg`'s last header named `name`, if it has one with a
+/// value.
+fn header<'m>(msg: &'m rdkafka::message::BorrowedMessage<'_>, name: &str) -> Option<&'m [u8]> {
+    msg.headers()?
+        .iter()
+        .filter(|h| h.key == name)
+        .last()
+        .and_then(|h| h.value)
+}
+
 impl ArrowDecoder {
+    /// Why `p`'s key or one of the headers taken into columns cannot be
+    /// their column's value, if so.
+    fn check_key_and_headers(&self, p: &Polled<'_>) -> Option<BadRecord> {
+        let format = &self.payloads.format;
+        if let Some((_, ty)) = &format.key
+            && let Some(bad) = ty.check("the key", p.msg.key())
+        {
+            return Some(bad);
+        }
+        format.headers.iter().find_map(|h| {
+            h.ty.check(&format!("header `{}`", h.header), header(&p.msg, &h.header))
+        })
+    }
+
+    /// The raw values of the records not known bad (`self.payloads.bad`),
+    /// as one column; a value too large or not UTF-8 (for a string column)
+    /// makes its record bad.
+    fn raw_batch(&mut self, polled: &[Polled<'_>], ty: BytesAs) -> Option<RecordBatch> {
+        let max = self.payloads.limits.max_bytes;
+        for (p, bad) in polled.iter().zip(self.payloads.bad.iter_mut()) {
+            if bad.is_some() {
+                continue;
+            }
+            let value = p.msg.payload();
+            *bad = match value {
+                Some(v) if v.len() > max => Some(BadRecord::new(
+                    BadReason::TooLarge,
+                    format!("{} bytes, more than max_record_bytes ({max})", v.len()),
+                )),
+                _ => ty.check("the value", value),
+            };
+        }
+        let good = polled
+            .iter()
+            .zip(&self.payloads.bad)
+            .filter(|(_, b)| b.is_none())
+            .map(|(p, _)| p.msg.payload());
+        let column = ty.column(good)?;
+        if column.is_empty() {
+            return None;
+        }
+        RecordBatch::try_new(Arc::clone(&self.payloads.format.schema), vec![column]).ok()
+    }
+
+    /// `batch` (the values' columns of the `good` records) with the key,
+    /// header and metadata columns appended.
     fn with_metadata(
         &self,
         batch: RecordBatch,
         good: &[&Polled<'_>],
     ) -> Result<RecordBatch, String> {
-        if !self.payloads.format.metadata {
+        let format = &self.payloads.format;
+        if format.key.is_none() && format.headers.is_empty() && !format.metadata {
             return Ok(batch);
         }
+        let not_utf8 = || "checked before: cannot happen".to_owned();
         let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
+        if let Some((_, ty)) = &format.key {
+            columns.push(
+                ty.column(good.iter().map(|p| p.msg.key()))
+                    .ok_or_else(not_utf8)?,
+            );
+        }
+        for h in &format.headers {
+            columns.push(
+                h.ty.column(good.iter().map(|p| header(&p.msg, &h.header)))
+                    .ok_or_else(not_utf8)?,
+            );
+        }
+        if !format.metadata {
+            return RecordBatch::try_new(Arc::clone(&self.output), columns)
+                .map_err(|e| e.to_string());
+        }
         columns.push(Arc::new(StringArray::from_iter_values(
             good.iter().map(|p| &*p.topic),
         )));
@@ -513,11 +755,23 @@ impl Decode for ArrowDecoder {
         out: &mut Vec<RecordBatch>,
         outcomes: &mut Vec<Outcome>,
     ) {
-        let payloads: Vec<&[u8]> = polled
+        let known: Vec<Option<BadRecord>> = polled
             .iter()
-            .map(|p| p.msg.payload().unwrap_or_default())
+            .map(|p| self.check_key_and_headers(p))
             .collect();
-        let batch = self.payloads.decode_batch(&payloads);
+        let batch = match self.payloads.format.value {
+            Value::Json => {
+                let payloads: Vec<&[u8]> = polled
+                    .iter()
+                    .map(|p| p.msg.payload().unwrap_or_default())
+                    .collect();
+                self.payloads.decode_batch_after(&payloads, known)
+            }
+            Value::Raw(ty) => {
+                self.payloads.bad = known;
+                self.raw_batch(polled, ty)
+            }
+        };
         let good: Vec<&Polled<'_>> = polled
             .iter()
             .zip(&self.payloads.bad)

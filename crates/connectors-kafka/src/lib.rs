@@ -37,7 +37,9 @@ mod state;
 pub mod testing;
 
 #[cfg(feature = "arrow")]
-pub use arrow::{Coercion, JsonArrow, JsonArrowDecoder, KafkaArrowSource, METADATA_COLUMNS};
+pub use arrow::{
+    BytesAs, Coercion, JsonArrow, JsonArrowDecoder, KafkaArrowSource, METADATA_COLUMNS,
+};
 pub use bad_record::BadReason;
 pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,

@@ -6,6 +6,7 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 
 use crate::dead_letter::send_with_room;
@@ -169,7 +170,7 @@ pub fn produce_in_batches_of(
         FLUSH_WITHIN,
         records
             .iter()
-            .map(|(p, k, v)| (*p, Some(k.as_slice()), None, v.as_slice())),
+            .map(|(p, k, v)| (*p, Some(k.as_slice()), None, Some(v.as_slice()), None)),
     )
     .map(|_| ())
 }
@@ -188,7 +189,47 @@ pub fn produce_timed(
         FLUSH_WITHIN,
         records
             .iter()
-            .map(|(p, t, v)| (*p, None::<&[u8]>, Some(*t), v.as_slice())),
+            .map(|(p, t, v)| (*p, None::<&[u8]>, Some(*t), Some(v.as_slice()), None)),
+    )
+    .map(|_| ())
+}
+
+/// One record for [`produce_records`]: any of key, value and headers may be
+/// missing, and a header may have no value.
+#[derive(Debug, Clone, Default)]
+pub struct ToProduce {
+    /// The partition.
+    pub partition: i32,
+    /// The key, if any.
+    pub key: Option<Vec<u8>>,
+    /// The value, if any (none: a tombstone).
+    pub value: Option<Vec<u8>>,
+    /// The headers, in order; the same name may come more than once.
+    pub headers: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// Produces `records` and waits until all are acknowledged.
+pub fn produce_records(bootstrap: &str, topic: &str, records: &[ToProduce]) -> Result<(), String> {
+    send_all(
+        bootstrap,
+        topic,
+        &[],
+        FLUSH_WITHIN,
+        records.iter().map(|r| {
+            let headers = r.headers.iter().fold(OwnedHeaders::new(), |h, (k, v)| {
+                h.insert(Header {
+                    key: k,
+                    value: v.as_deref(),
+                })
+            });
+            (
+                r.partition,
+                r.key.as_deref(),
+                None,
+                r.value.as_deref(),
+                Some(headers),
+            )
+        }),
     )
     .map(|_| ())
 }
@@ -207,7 +248,7 @@ pub fn produce_stream(
         topic,
         settings,
         STREAM_FLUSH_WITHIN,
-        records.map(|(p, v)| (p, None::<&[u8]>, None, v)),
+        records.map(|(p, v)| (p, None::<&[u8]>, None, Some(v), None)),
     )
 }
 
@@ -221,7 +262,7 @@ fn send_all<K: AsRef<[u8]>, V: AsRef<[u8]>>(
     topic: &str,
     settings: &[(&str, &str)],
     flush_within: Duration,
-    records: impl Iterator<Item = (i32, Option<K>, Option<i64>, V)>,
+    records: impl Iterator<Item = (i32, Option<K>, Option<i64>, Option<V>, Option<OwnedHeaders>)>,
 ) -> Result<u64, String> {
     let mut config = ClientConfig::new();
     config
@@ -233,10 +274,14 @@ fn send_all<K: AsRef<[u8]>, V: AsRef<[u8]>>(
     }
     let producer: BaseProducer = config.create().map_err(|e| e.to_string())?;
     let mut sent = 0u64;
-    for (partition, key, timestamp, value) in records {
-        let mut record = BaseRecord::<[u8], [u8]>::to(topic)
-            .partition(partition)
-            .payload(value.as_ref());
+    for (partition, key, timestamp, value, headers) in records {
+        let mut record = BaseRecord::<[u8], [u8]>::to(topic).partition(partition);
+        if let Some(value) = &value {
+            record = record.payload(value.as_ref());
+        }
+        if let Some(headers) = headers {
+            record = record.headers(headers);
+        }
         if let Some(key) = &key {
             record = record.key(key.as_ref());
         }
