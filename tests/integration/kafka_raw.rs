@@ -29,19 +29,19 @@ type Row = (
 /// `trace-id` header on odd ones (sent twice on multiples of three: the last
 /// counts; without a value on multiples of eleven), `blob` on even ones.
 fn record(i: u32) -> (ToProduce, Row) {
-    let key = (i % 5 != 0).then(|| format!("k{i}"));
-    let value = (i % 7 != 0).then(|| format!("value {i}: not JSON {{"));
+    let key = (!i.is_multiple_of(5)).then(|| format!("k{i}"));
+    let value = (!i.is_multiple_of(7)).then(|| format!("value {i}: not JSON {{"));
     let mut headers = Vec::new();
     let mut trace = None;
-    if i % 2 == 1 {
-        if i % 3 == 0 {
+    if !i.is_multiple_of(2) {
+        if i.is_multiple_of(3) {
             headers.push(("trace-id".to_owned(), Some(b"first".to_vec())));
         }
-        let t = (i % 11 != 0).then(|| format!("t-{i}"));
+        let t = (!i.is_multiple_of(11)).then(|| format!("t-{i}"));
         headers.push(("trace-id".to_owned(), t.clone().map(String::into_bytes)));
         trace = t;
     }
-    let blob = (i % 2 == 0).then(|| vec![0xff, 0x00, i as u8]);
+    let blob = (i.is_multiple_of(2)).then(|| vec![0xff, 0x00, i as u8]);
     if let Some(b) = &blob {
         headers.push(("blob".to_owned(), Some(b.clone())));
     }

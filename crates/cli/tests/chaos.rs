@@ -858,11 +858,11 @@ async fn a_raw_job_keeps_values_keys_and_headers_value_for_value() {
     let mut records: Vec<ToProduce> = (0..n)
         .map(|i| ToProduce {
             partition: (i % PARTITIONS as u32) as i32,
-            key: (i % 3 != 0).then(|| format!("host-{}", i % 7).into_bytes()),
-            value: (i % 50 != 0).then(|| format!("{i} GET /index.html 200").into_bytes()),
+            key: (!i.is_multiple_of(3)).then(|| format!("host-{}", i % 7).into_bytes()),
+            value: (!i.is_multiple_of(50)).then(|| format!("{i} GET /index.html 200").into_bytes()),
             headers: [
                 Some(("seq".to_owned(), Some(i.to_string().into_bytes()))),
-                (i % 2 == 0).then(|| ("sig".to_owned(), Some(vec![0xde, 0xad, i as u8]))),
+                (i.is_multiple_of(2)).then(|| ("sig".to_owned(), Some(vec![0xde, 0xad, i as u8]))),
                 (i == 7).then(|| ("env".to_owned(), Some(b"test".to_vec()))),
             ]
             .into_iter()
@@ -947,9 +947,9 @@ dir = "{dir}/checkpoints"
         .map(|i| {
             vec![
                 json!(i.to_string()),
-                json!((i % 50 != 0).then(|| format!("{i} GET /index.html 200"))),
-                json!((i % 3 != 0).then(|| format!("host-{}", i % 7))),
-                json!((i % 2 == 0).then(|| format!("dead{:02x}", i as u8))),
+                json!((!i.is_multiple_of(50)).then(|| format!("{i} GET /index.html 200"))),
+                json!((!i.is_multiple_of(3)).then(|| format!("host-{}", i % 7))),
+                json!((i.is_multiple_of(2)).then(|| format!("dead{:02x}", i as u8))),
                 json!((i == 7).then_some("test")),
                 json!(i % PARTITIONS as u32),
             ]
