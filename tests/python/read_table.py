@@ -26,6 +26,18 @@ from pyiceberg.catalog.rest import RestCatalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 
+def plain(v):
+    """A value as JSON takes it: bytes as hex, a map's (key, value) pairs
+    as lists, recursively."""
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [plain(x) for x in v]
+    return v
+
+
 def main() -> None:
     name, uri, warehouse, table_name = sys.argv[1:5]
     id_column = sys.argv[5] if len(sys.argv) > 5 else "id"
@@ -52,9 +64,7 @@ def main() -> None:
     dump = None
     if dump_columns:
         columns = [data.column(c).to_pylist() for c in dump_columns]
-        dump = [
-            [v.hex() if isinstance(v, bytes) else v for v in row] for row in zip(*columns)
-        ]
+        dump = [[plain(v) for v in row] for row in zip(*columns)]
     print(
         json.dumps(
             {

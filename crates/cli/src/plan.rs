@@ -69,7 +69,15 @@ fn duration(key: &str, value: &str) -> Result<Duration, JobFileError> {
 }
 
 fn arrow_type(key: &str, ty: &str) -> Result<DataType, JobFileError> {
-    Ok(match ty.trim().to_ascii_lowercase().as_str() {
+    let lower = ty.trim().to_ascii_lowercase();
+    if ["struct", "list", "map"]
+        .iter()
+        .any(|p| lower.starts_with(p) && lower[p.len()..].trim_start().starts_with('<'))
+    {
+        let parsed: ColumnType = ty.parse().map_err(|m: String| err(key, m))?;
+        return arrow_of(&parsed).map_err(|m| err(key, m));
+    }
+    Ok(match lower.as_str() {
         "boolean" | "bool" => DataType::Boolean,
         "int" | "integer" => DataType::Int32,
         "long" | "bigint" => DataType::Int64,
@@ -84,9 +92,65 @@ fn arrow_type(key: &str, ty: &str) -> Result<DataType, JobFileError> {
                 key,
                 format!(
                     "unknown type `{other}`; expected one of boolean, int, long, float, double, \
-                     string, date, timestamp, timestamptz"
+                     string, date, timestamp, timestamptz, or struct<name: type, ...>, \
+                     list<type>, map<string, type> of them"
                 ),
             ));
+        }
+    })
+}
+
+/// The Arrow type a JSON field of type `ty` decodes into: struct fields,
+/// list elements and map values nullable unless declared `not null`; list
+/// elements and map entries named as Iceberg names them.
+fn arrow_of(ty: &ColumnType) -> Result<DataType, String> {
+    let field = |name: &str, ty: &ColumnType, required: bool| -> Result<Field, String> {
+        Ok(Field::new(name, arrow_of(ty)?, !required))
+    };
+    Ok(match ty {
+        ColumnType::Boolean => DataType::Boolean,
+        ColumnType::Int => DataType::Int32,
+        ColumnType::Long => DataType::Int64,
+        ColumnType::Float => DataType::Float32,
+        ColumnType::Double => DataType::Float64,
+        ColumnType::String => DataType::Utf8,
+        ColumnType::Date => DataType::Date32,
+        ColumnType::Timestamp => DataType::Timestamp(TimeUnit::Microsecond, None),
+        ColumnType::Timestamptz => {
+            DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into()))
+        }
+        ColumnType::Binary | ColumnType::Decimal { .. } => {
+            return Err(format!(
+                "{ty:?} is not a type JSON fields take; use string, long or double"
+            ));
+        }
+        ColumnType::Struct(columns) => DataType::Struct(
+            columns
+                .iter()
+                .map(|c| field(&c.name, &c.ty, c.required))
+                .collect::<Result<Vec<_>, _>>()?
+                .into(),
+        ),
+        ColumnType::List {
+            element,
+            element_required,
+        } => DataType::List(Arc::new(field("element", element, *element_required)?)),
+        ColumnType::Map {
+            key,
+            value,
+            value_required,
+        } => {
+            if **key != ColumnType::String {
+                return Err("a JSON map's keys are strings: map<string, type>".to_owned());
+            }
+            let entries = DataType::Struct(
+                vec![
+                    field("key", key, true)?,
+                    field("value", value, *value_required)?,
+                ]
+                .into(),
+            );
+            DataType::Map(Arc::new(Field::new("key_value", entries, false)), false)
         }
     })
 }
@@ -104,6 +168,30 @@ fn column_type(field: &Field) -> Result<ColumnType, String> {
         DataType::Date32 => ColumnType::Date,
         DataType::Timestamp(_, None) => ColumnType::Timestamp,
         DataType::Timestamp(_, Some(_)) => ColumnType::Timestamptz,
+        DataType::Struct(fields) => ColumnType::Struct(
+            fields
+                .iter()
+                .map(|f| {
+                    Ok(Column {
+                        name: f.name().clone(),
+                        ty: column_type(f)?,
+                        required: !f.is_nullable(),
+                    })
+                })
+                .collect::<Result<_, String>>()?,
+        ),
+        DataType::List(element) | DataType::LargeList(element) => ColumnType::List {
+            element: Box::new(column_type(element)?),
+            element_required: !element.is_nullable(),
+        },
+        DataType::Map(entries, _) => match entries.data_type() {
+            DataType::Struct(kv) if kv.len() == 2 => ColumnType::Map {
+                key: Box::new(column_type(&kv[0])?),
+                value: Box::new(column_type(&kv[1])?),
+                value_required: !kv[1].is_nullable(),
+            },
+            other => return Err(format!("map entries of {other}")),
+        },
         other => {
             return Err(format!(
                 "column `{}` is {other}, which has no Iceberg type here",

@@ -8,7 +8,10 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::future::BoxFuture;
 use iceberg::io::{FileIO, FileIOBuilder, StorageFactory};
-use iceberg::spec::{NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec};
+use iceberg::spec::{
+    ListType, MapType, NestedField, PrimitiveType, Schema, StructType, Transform, Type,
+    UnboundPartitionSpec,
+};
 use iceberg::table::Table;
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use iceberg::{
@@ -26,7 +29,7 @@ use tokio::sync::OnceCell;
 use crate::local_storage::{PendingSyncs, SyncedLocalStorageFactory};
 
 use crate::config::{
-    CatalogConfig, ColumnType, CommitStep, Fault, FaultHook, IcebergSinkConfig, TableSpec,
+    CatalogConfig, Column, ColumnType, CommitStep, Fault, FaultHook, IcebergSinkConfig, TableSpec,
 };
 
 /// Snapshot summary key: the sink that committed the snapshot.
@@ -659,7 +662,13 @@ pub(crate) fn newest_sink_snapshot(table: &Table, sink_id: &str) -> Option<(i64,
     None
 }
 
-fn iceberg_type(ty: ColumnType) -> Type {
+/// The Iceberg type of `ty`; fields inside it take ids from `next_id` on.
+fn iceberg_type(ty: &ColumnType, next_id: &mut i32) -> Type {
+    let mut id = || {
+        let id = *next_id;
+        *next_id += 1;
+        id
+    };
     Type::Primitive(match ty {
         ColumnType::Boolean => PrimitiveType::Boolean,
         ColumnType::Int => PrimitiveType::Int,
@@ -671,21 +680,74 @@ fn iceberg_type(ty: ColumnType) -> Type {
         ColumnType::Date => PrimitiveType::Date,
         ColumnType::Timestamp => PrimitiveType::Timestamp,
         ColumnType::Timestamptz => PrimitiveType::Timestamptz,
-        ColumnType::Decimal { precision, scale } => PrimitiveType::Decimal { precision, scale },
+        ColumnType::Decimal { precision, scale } => PrimitiveType::Decimal {
+            precision: *precision,
+            scale: *scale,
+        },
+        ColumnType::Struct(fields) => {
+            // As Iceberg's Java assigns fresh ids: a struct's own fields
+            // first, then what is nested in them.
+            let ids: Vec<i32> = fields.iter().map(|_| id()).collect();
+            let fields = fields
+                .iter()
+                .zip(ids)
+                .map(|(c, id)| Arc::new(field(id, c, next_id)))
+                .collect();
+            return Type::Struct(StructType::new(fields));
+        }
+        ColumnType::List {
+            element,
+            element_required,
+        } => {
+            let element_id = id();
+            let element = iceberg_type(element, next_id);
+            return Type::List(ListType::new(Arc::new(NestedField::list_element(
+                element_id,
+                element,
+                *element_required,
+            ))));
+        }
+        ColumnType::Map {
+            key,
+            value,
+            value_required,
+        } => {
+            let (key_id, value_id) = (id(), id());
+            let key = iceberg_type(key, next_id);
+            let value = iceberg_type(value, next_id);
+            return Type::Map(MapType::new(
+                Arc::new(NestedField::map_key_element(key_id, key)),
+                Arc::new(NestedField::map_value_element(
+                    value_id,
+                    value,
+                    *value_required,
+                )),
+            ));
+        }
     })
 }
 
-/// The Iceberg schema of a declared table (field ids from 1).
+/// The field `id` for column `c`; fields nested in it take ids from
+/// `next_id` on.
+fn field(id: i32, c: &Column, next_id: &mut i32) -> NestedField {
+    let ty = iceberg_type(&c.ty, next_id);
+    if c.required {
+        NestedField::required(id, &c.name, ty)
+    } else {
+        NestedField::optional(id, &c.name, ty)
+    }
+}
+
+/// The Iceberg schema of a declared table: top-level field ids from 1,
+/// then the nested fields' ids.
 pub fn iceberg_schema(spec: &TableSpec) -> StreamResult<Schema> {
-    let fields = spec.columns.iter().enumerate().map(|(i, c)| {
-        let id = i as i32 + 1;
-        let ty = iceberg_type(c.ty);
-        Arc::new(if c.required {
-            NestedField::required(id, &c.name, ty)
-        } else {
-            NestedField::optional(id, &c.name, ty)
-        })
-    });
+    let mut next_id = spec.columns.len() as i32 + 1;
+    let fields: Vec<_> = spec
+        .columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| Arc::new(field(i as i32 + 1, c, &mut next_id)))
+        .collect();
     Schema::builder()
         .with_schema_id(0)
         .with_fields(fields)
@@ -694,6 +756,75 @@ pub fn iceberg_schema(spec: &TableSpec) -> StreamResult<Schema> {
             key: "sink.schema",
             message: e.to_string(),
         })
+}
+
+/// Why a column declared `declared` does not fit the table's `actual`
+/// type (ids aside), if it does not.
+fn misfit(declared: &ColumnType, actual: &Type) -> Option<String> {
+    let optional_where_required = |what: &str| {
+        Some(format!(
+            "{what} declared optional, the table requires a value"
+        ))
+    };
+    match (declared, actual) {
+        (ColumnType::Struct(fields), Type::Struct(s)) => {
+            let names: Vec<&str> = fields.iter().map(|f| f.name.as_str()).collect();
+            let theirs: Vec<&str> = s.fields().iter().map(|f| f.name.as_str()).collect();
+            if names != theirs {
+                return Some(format!(
+                    "declared fields {names:?}, the table's struct has {theirs:?}"
+                ));
+            }
+            fields.iter().zip(s.fields()).find_map(|(c, f)| {
+                if let Some(m) = misfit(&c.ty, &f.field_type) {
+                    return Some(format!("field `{}`: {m}", c.name));
+                }
+                (f.required && !c.required).then(|| {
+                    format!(
+                        "field `{}` declared optional, the table requires a value",
+                        c.name
+                    )
+                })
+            })
+        }
+        (
+            ColumnType::List {
+                element,
+                element_required,
+            },
+            Type::List(l),
+        ) => misfit(element, &l.element_field.field_type)
+            .map(|m| format!("list element: {m}"))
+            .or_else(|| {
+                (l.element_field.required && !element_required)
+                    .then(|| optional_where_required("the list element"))
+                    .flatten()
+            }),
+        (
+            ColumnType::Map {
+                key,
+                value,
+                value_required,
+            },
+            Type::Map(m),
+        ) => misfit(key, &m.key_field.field_type)
+            .map(|e| format!("map key: {e}"))
+            .or_else(|| misfit(value, &m.value_field.field_type).map(|e| format!("map value: {e}")))
+            .or_else(|| {
+                (m.value_field.required && !value_required)
+                    .then(|| optional_where_required("the map value"))
+                    .flatten()
+            }),
+        (ColumnType::Struct(_) | ColumnType::List { .. } | ColumnType::Map { .. }, _)
+        | (_, Type::Struct(_) | Type::List(_) | Type::Map(_)) => Some(format!(
+            "declared {}, the table has {actual}",
+            iceberg_type(declared, &mut 0)
+        )),
+        (declared, actual) => {
+            let declared = iceberg_type(declared, &mut 0);
+            (declared != *actual).then(|| format!("declared {declared}, the table has {actual}"))
+        }
+    }
 }
 
 fn partition_spec(spec: &TableSpec, schema: &Schema) -> StreamResult<UnboundPartitionSpec> {
@@ -799,12 +930,8 @@ fn check_fits(spec: &TableSpec, schema: &Schema, table: &str) -> StreamResult<()
         let Some(field) = schema.field_by_name(&c.name) else {
             return Err(bad("the table has no such column".to_owned()));
         };
-        let declared = iceberg_type(c.ty);
-        if *field.field_type != declared {
-            return Err(bad(format!(
-                "declared {declared}, the table has {}",
-                field.field_type
-            )));
+        if let Some(m) = misfit(&c.ty, &field.field_type) {
+            return Err(bad(m));
         }
         if field.required && !c.required {
             return Err(bad(
@@ -1111,6 +1238,48 @@ impl Catalog for GuardedCatalog<'_> {
 mod tests {
     use super::*;
     use crate::config::{Column, PartitionField};
+
+    #[test]
+    fn nested_fields_get_ids_after_the_top_level_ones_and_fit_their_table() {
+        let spec = TableSpec {
+            columns: vec![
+                Column::required("id", ColumnType::Long),
+                Column::optional(
+                    "buyer",
+                    "struct<name: string, address: struct<city: string>>"
+                        .parse()
+                        .unwrap(),
+                ),
+                Column::optional("tags", "map<string, list<long>>".parse().unwrap()),
+            ],
+            ..TableSpec::default()
+        };
+        let schema = iceberg_schema(&spec).unwrap();
+        let id = |name: &str| schema.field_by_name(name).unwrap().id;
+        assert_eq!((id("id"), id("buyer"), id("tags")), (1, 2, 3));
+        assert_eq!((id("buyer.name"), id("buyer.address")), (4, 5));
+        assert_eq!(id("buyer.address.city"), 6);
+        // map key 7, value 8, the value's list element 9.
+        assert_eq!(schema.highest_field_id(), 9);
+        check_fits(&spec, &schema, "t").unwrap();
+        let mut other = spec.clone();
+        other.columns[1] = Column::optional(
+            "buyer",
+            "struct<name: string, address: struct<town: string>>"
+                .parse()
+                .unwrap(),
+        );
+        let err = check_fits(&other, &schema, "t").unwrap_err().to_string();
+        assert!(
+            err.contains("column `buyer`")
+                && err.contains("field `address`")
+                && err.contains("town"),
+            "{err}"
+        );
+        other.columns[1] = Column::optional("buyer", ColumnType::String);
+        let err = check_fits(&other, &schema, "t").unwrap_err().to_string();
+        assert!(err.contains("declared string"), "{err}");
+    }
 
     #[test]
     fn a_declared_column_of_another_type_is_named() {

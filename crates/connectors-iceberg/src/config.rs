@@ -159,7 +159,7 @@ fn redact(uri: &str) -> String {
 }
 
 /// A column type of a declared table schema.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ColumnType {
     /// `boolean`
     Boolean,
@@ -188,54 +188,178 @@ pub enum ColumnType {
         /// Digits after the point.
         scale: u32,
     },
+    /// `struct<name: type, ...>`: named fields, in order; a field is
+    /// optional unless `not null` follows its type.
+    Struct(Vec<Column>),
+    /// `list<type>`: elements are optional unless `list<type not null>`.
+    List {
+        /// The elements' type.
+        element: Box<ColumnType>,
+        /// Whether no element may be null.
+        element_required: bool,
+    },
+    /// `map<key type, value type>`: keys are never null; values are
+    /// optional unless `not null` follows their type.
+    Map {
+        /// The keys' type.
+        key: Box<ColumnType>,
+        /// The values' type.
+        value: Box<ColumnType>,
+        /// Whether no value may be null.
+        value_required: bool,
+    },
 }
+
+/// The primitive type names, for messages.
+const TYPE_NAMES: &str = "boolean, int, long, float, double, string, binary, date, timestamp, \
+                          timestamptz, decimal(P,S), struct<name: type, ...>, list<type>, map<key, value>";
 
 impl FromStr for ColumnType {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim().to_ascii_lowercase();
-        Ok(match t.as_str() {
-            "boolean" | "bool" => ColumnType::Boolean,
-            "int" | "integer" => ColumnType::Int,
-            "long" | "bigint" => ColumnType::Long,
-            "float" => ColumnType::Float,
-            "double" => ColumnType::Double,
-            "string" => ColumnType::String,
-            "binary" => ColumnType::Binary,
-            "date" => ColumnType::Date,
-            "timestamp" => ColumnType::Timestamp,
-            "timestamptz" => ColumnType::Timestamptz,
-            _ => {
-                let inner = t
-                    .strip_prefix("decimal(")
-                    .and_then(|r| r.strip_suffix(')'))
-                    .ok_or_else(|| {
-                        format!(
-                            "unknown type `{s}`; expected one of boolean, int, long, float, double, \
-                             string, binary, date, timestamp, timestamptz, decimal(P,S)"
-                        )
-                    })?;
-                let (p, sc) = inner
-                    .split_once(',')
-                    .ok_or_else(|| format!("`{s}`: expected decimal(precision,scale)"))?;
-                let precision: u32 = p
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("`{s}`: precision is not a number"))?;
-                let scale: u32 = sc
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("`{s}`: scale is not a number"))?;
-                if precision == 0 || precision > 38 || scale > precision {
-                    return Err(format!(
-                        "`{s}`: expected 1 <= precision <= 38 and scale <= precision"
-                    ));
-                }
-                ColumnType::Decimal { precision, scale }
-            }
-        })
+        let (ty, required) = parse_type(s)?;
+        if required {
+            return Err(format!(
+                "`{s}`: `not null` belongs to a field, list element or map value inside a type"
+            ));
+        }
+        Ok(ty)
     }
+}
+
+/// `type` or `type not null`.
+fn parse_type(s: &str) -> Result<(ColumnType, bool), String> {
+    let text = s.trim();
+    let lower = text.to_ascii_lowercase();
+    let (text, required) = match lower.strip_suffix("not null") {
+        Some(rest) if rest.ends_with(char::is_whitespace) => (text[..rest.len()].trim(), true),
+        _ => (text, false),
+    };
+    let lower = text.to_ascii_lowercase();
+    let nested = |prefix: &str| -> Option<&str> {
+        lower
+            .starts_with(prefix)
+            .then(|| text[prefix.len()..].trim_start())
+            .and_then(|r| r.strip_prefix('<'))
+            .and_then(|r| r.strip_suffix('>'))
+    };
+    let ty = if let Some(inner) = nested("struct") {
+        let mut fields: Vec<Column> = Vec::new();
+        for part in split_top_level(inner)? {
+            let (name, ty) = part
+                .split_once(':')
+                .ok_or_else(|| format!("`{part}` in `{s}`: expected `name: type`"))?;
+            let name = name.trim();
+            if name.is_empty() {
+                return Err(format!("`{part}` in `{s}`: a struct field needs a name"));
+            }
+            if fields.iter().any(|f| f.name == name) {
+                return Err(format!("`{s}`: field `{name}` is declared twice"));
+            }
+            let (ty, required) = parse_type(ty)?;
+            fields.push(Column {
+                name: name.to_owned(),
+                ty,
+                required,
+            });
+        }
+        if fields.is_empty() {
+            return Err(format!("`{s}`: a struct needs at least one field"));
+        }
+        ColumnType::Struct(fields)
+    } else if let Some(inner) = nested("list") {
+        let (element, element_required) = parse_type(inner)?;
+        ColumnType::List {
+            element: Box::new(element),
+            element_required,
+        }
+    } else if let Some(inner) = nested("map") {
+        let parts = split_top_level(inner)?;
+        let [key, value] = parts.as_slice() else {
+            return Err(format!("`{s}`: expected map<key type, value type>"));
+        };
+        let (key, _) = parse_type(key)?;
+        let (value, value_required) = parse_type(value)?;
+        ColumnType::Map {
+            key: Box::new(key),
+            value: Box::new(value),
+            value_required,
+        }
+    } else {
+        primitive(text)?
+    };
+    Ok((ty, required))
+}
+
+/// `a, b<c, d>, e` -> [`a`, `b<c, d>`, `e`].
+fn split_top_level(s: &str) -> Result<Vec<&str>, String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in s.char_indices() {
+        match c {
+            '<' | '(' => depth += 1,
+            '>' | ')' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(s[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err(format!("`{s}`: unbalanced `>`"));
+        }
+    }
+    if depth != 0 {
+        return Err(format!("`{s}`: unbalanced `<`"));
+    }
+    let last = s[start..].trim();
+    if !last.is_empty() || !parts.is_empty() {
+        parts.push(last);
+    }
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(format!("`{s}`: an empty type between commas"));
+    }
+    Ok(parts)
+}
+
+fn primitive(s: &str) -> Result<ColumnType, String> {
+    let t = s.trim().to_ascii_lowercase();
+    Ok(match t.as_str() {
+        "boolean" | "bool" => ColumnType::Boolean,
+        "int" | "integer" => ColumnType::Int,
+        "long" | "bigint" => ColumnType::Long,
+        "float" => ColumnType::Float,
+        "double" => ColumnType::Double,
+        "string" => ColumnType::String,
+        "binary" => ColumnType::Binary,
+        "date" => ColumnType::Date,
+        "timestamp" => ColumnType::Timestamp,
+        "timestamptz" => ColumnType::Timestamptz,
+        _ => {
+            let inner = t
+                .strip_prefix("decimal(")
+                .and_then(|r| r.strip_suffix(')'))
+                .ok_or_else(|| format!("unknown type `{s}`; expected one of {TYPE_NAMES}"))?;
+            let (p, sc) = inner
+                .split_once(',')
+                .ok_or_else(|| format!("`{s}`: expected decimal(precision,scale)"))?;
+            let precision: u32 = p
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{s}`: precision is not a number"))?;
+            let scale: u32 = sc
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{s}`: scale is not a number"))?;
+            if precision == 0 || precision > 38 || scale > precision {
+                return Err(format!(
+                    "`{s}`: expected 1 <= precision <= 38 and scale <= precision"
+                ));
+            }
+            ColumnType::Decimal { precision, scale }
+        }
+    })
 }
 
 /// One column of a declared table schema.
@@ -706,6 +830,64 @@ mod tests {
             "{err}"
         );
         assert!("decimal(3,4)".parse::<ColumnType>().is_err());
+    }
+
+    #[test]
+    fn nested_types_parse_with_their_nullability() {
+        let ty: ColumnType = "struct<name: string not null, items: list<struct<sku: string, qty: int not null>>, tags: map<string, decimal(10, 2) not null>>"
+            .parse()
+            .unwrap();
+        let ColumnType::Struct(fields) = &ty else {
+            panic!("{ty:?}");
+        };
+        assert_eq!(fields[0], Column::required("name", ColumnType::String));
+        assert_eq!(
+            fields[1],
+            Column::optional(
+                "items",
+                ColumnType::List {
+                    element: Box::new(ColumnType::Struct(vec![
+                        Column::optional("sku", ColumnType::String),
+                        Column::required("qty", ColumnType::Int),
+                    ])),
+                    element_required: false,
+                }
+            )
+        );
+        assert_eq!(
+            fields[2],
+            Column::optional(
+                "tags",
+                ColumnType::Map {
+                    key: Box::new(ColumnType::String),
+                    value: Box::new(ColumnType::Decimal {
+                        precision: 10,
+                        scale: 2
+                    }),
+                    value_required: true,
+                }
+            )
+        );
+        assert_eq!(
+            "list<long not null>".parse(),
+            Ok(ColumnType::List {
+                element: Box::new(ColumnType::Long),
+                element_required: true
+            })
+        );
+        for (bad, says) in [
+            ("struct<>", "at least one field"),
+            ("struct<a long>", "expected `name: type`"),
+            ("struct<a: long, a: int>", "declared twice"),
+            ("list<long", "unknown type"),
+            ("map<string>", "expected map<key type, value type>"),
+            ("list<varchar>", "unknown type `varchar`"),
+            ("long not null", "belongs to a field"),
+            ("struct<a: list<long>>>", "unbalanced"),
+        ] {
+            let err = bad.parse::<ColumnType>().unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

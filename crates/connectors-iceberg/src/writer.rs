@@ -565,10 +565,57 @@ fn fit_type(col: &ArrayRef, want: &DataType) -> Option<ArrayRef> {
         (DataType::Timestamp(a, Some(_)), DataType::Timestamp(b, Some(_))) if a == b
     );
     if castable {
-        arrow_cast::cast(col, want).ok()
-    } else {
-        None
+        return arrow_cast::cast(col, want).ok();
     }
+    // A struct, list or map of the same shape: the table's type carries
+    // Iceberg field ids on the nested fields (and names list elements and
+    // map entries its own way); relabel, without copying the values.
+    if same_shape(have, want) {
+        return relabel(col.to_data(), want).map(arrow_array::make_array);
+    }
+    None
+}
+
+/// Whether `have` and `want` are the same nested type but for field
+/// metadata, nullability (the source's schema is declared with the
+/// table's) and the names of list elements and map entries (struct field
+/// names must match, in order).
+fn same_shape(have: &DataType, want: &DataType) -> bool {
+    match (have, want) {
+        (DataType::Struct(a), DataType::Struct(b)) => {
+            a.len() == b.len()
+                && a.iter()
+                    .zip(b)
+                    .all(|(a, b)| a.name() == b.name() && same_shape(a.data_type(), b.data_type()))
+        }
+        (DataType::List(a), DataType::List(b)) | (DataType::Map(a, _), DataType::Map(b, _)) => {
+            same_shape(a.data_type(), b.data_type())
+        }
+        (a, b) => a == b,
+    }
+}
+
+/// `data` as type `want` (of the same shape, see [`same_shape`]), its
+/// children relabelled the same way; `None` if Arrow's checks refuse it
+/// (a null where the table requires a value).
+fn relabel(data: arrow_data::ArrayData, want: &DataType) -> Option<arrow_data::ArrayData> {
+    let children: Vec<&DataType> = match want {
+        DataType::Struct(fields) => fields.iter().map(|f| f.data_type()).collect(),
+        DataType::List(f) | DataType::Map(f, _) => vec![f.data_type()],
+        _ if data.data_type() == want => return Some(data),
+        _ => return None,
+    };
+    let child_data = data
+        .child_data()
+        .iter()
+        .zip(children)
+        .map(|(c, t)| relabel(c.clone(), t))
+        .collect::<Option<Vec<_>>>()?;
+    data.into_builder()
+        .data_type(want.clone())
+        .child_data(child_data)
+        .build()
+        .ok()
 }
 
 #[cfg(test)]
@@ -576,6 +623,46 @@ mod tests {
     use super::*;
     use arrow_array::{Int64Array, StringArray};
     use arrow_schema::{Field, Schema};
+
+    #[test]
+    fn nested_columns_are_relabelled_to_the_tables_field_ids_without_copying() {
+        use arrow_array::builder::{Int64Builder, ListBuilder};
+        use std::collections::HashMap;
+        let mut b = ListBuilder::new(Int64Builder::new());
+        b.append_value([Some(1), None, Some(3)]);
+        b.append_null();
+        b.append_value([]);
+        let list: ArrayRef = Arc::new(b.finish());
+        let batch = RecordBatch::try_from_iter([("scores", list.clone())]).unwrap();
+        let id = |n: &str| HashMap::from([("PARQUET:field_id".to_owned(), n.to_owned())]);
+        let element = Field::new("element", DataType::Int64, true).with_metadata(id("2"));
+        let target: SchemaRef = Arc::new(Schema::new(vec![
+            Field::new("scores", DataType::List(Arc::new(element)), true).with_metadata(id("1")),
+        ]));
+        let fitted = conform(&batch, &target, "t").unwrap();
+        assert_eq!(fitted.schema(), target);
+        assert_eq!(
+            fitted.column(0).to_data().buffers(),
+            list.to_data().buffers()
+        );
+        assert_eq!(
+            fitted
+                .column(0)
+                .as_list::<i32>()
+                .value(0)
+                .as_primitive::<arrow_array::types::Int64Type>()
+                .values(),
+            &[1, 0, 3]
+        );
+        // Another shape is refused, naming the column.
+        let other: SchemaRef = Arc::new(Schema::new(vec![Field::new(
+            "scores",
+            DataType::List(Arc::new(Field::new("element", DataType::Utf8, true))),
+            true,
+        )]));
+        let err = conform(&batch, &other, "t").unwrap_err().to_string();
+        assert!(err.contains("field `scores`"), "{err}");
+    }
 
     #[test]
     fn only_mostly_distinct_columns_lose_their_dictionary() {

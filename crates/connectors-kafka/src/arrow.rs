@@ -14,7 +14,7 @@ use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamRe
 
 use crate::bad_record::{BadReason, BadRecord};
 use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
-use crate::scan::{Allow, Columns, Kind, Limits, scan};
+use crate::scan::{Allow, Columns, Kind, Limits, Shape, scan};
 use crate::source::{Decode, Outcome, Polled, open};
 
 /// The columns [`JsonArrow::with_metadata_columns`] appends.
@@ -291,35 +291,60 @@ impl JsonArrow {
             .map_err(|e| e.to_string())
     }
 
-    /// The columns the pre-scan checks, with what each takes.
+    /// The columns the pre-scan checks, with what each takes (inside
+    /// structs, lists and maps too).
     fn columns(&self) -> Columns {
-        let checked = self.schema.fields().iter().filter_map(|f| {
-            let kind = match f.data_type() {
-                DataType::Int8 => int(i8::MIN, i8::MAX),
-                DataType::Int16 => int(i16::MIN, i16::MAX),
-                DataType::Int32 => int(i32::MIN, i32::MAX),
-                DataType::Int64 => int(i64::MIN, i64::MAX),
-                DataType::UInt8 => int(0, u8::MAX),
-                DataType::UInt16 => int(0, u16::MAX),
-                DataType::UInt32 => int(0, u32::MAX),
-                DataType::UInt64 => int(0, u64::MAX),
-                DataType::Float32 => Kind::Float32,
-                DataType::Float64 => Kind::Float64,
-                DataType::Date32 => Kind::Date,
-                DataType::Timestamp(unit, _) => Kind::Timestamp {
-                    digits: match unit {
-                        TimeUnit::Second => 0,
-                        TimeUnit::Millisecond => 3,
-                        TimeUnit::Microsecond => 6,
-                        TimeUnit::Nanosecond => 9,
-                    },
-                },
-                _ => return None,
-            };
-            Some((f.name().clone(), kind))
-        });
-        Columns::new(checked, self.allow)
+        fields_shapes(self.schema.fields(), self.allow)
     }
+}
+
+/// The shapes of those of `fields` that have something to check.
+fn fields_shapes(fields: &arrow_schema::Fields, allow: Allow) -> Columns {
+    Columns::new(
+        fields
+            .iter()
+            .filter_map(|f| Some((f.name().clone(), shape(f.data_type(), allow)?))),
+        allow,
+    )
+}
+
+/// What the pre-scan checks of a value of type `ty`; `None` if nothing.
+fn shape(ty: &DataType, allow: Allow) -> Option<Shape> {
+    Some(Shape::Leaf(match ty {
+        DataType::Int8 => int(i8::MIN, i8::MAX),
+        DataType::Int16 => int(i16::MIN, i16::MAX),
+        DataType::Int32 => int(i32::MIN, i32::MAX),
+        DataType::Int64 => int(i64::MIN, i64::MAX),
+        DataType::UInt8 => int(0, u8::MAX),
+        DataType::UInt16 => int(0, u16::MAX),
+        DataType::UInt32 => int(0, u32::MAX),
+        DataType::UInt64 => int(0, u64::MAX),
+        DataType::Float32 => Kind::Float32,
+        DataType::Float64 => Kind::Float64,
+        DataType::Date32 => Kind::Date,
+        DataType::Timestamp(unit, _) => Kind::Timestamp {
+            digits: match unit {
+                TimeUnit::Second => 0,
+                TimeUnit::Millisecond => 3,
+                TimeUnit::Microsecond => 6,
+                TimeUnit::Nanosecond => 9,
+            },
+        },
+        DataType::Struct(fields) => {
+            let columns = fields_shapes(fields, allow);
+            return (!columns.is_empty()).then_some(Shape::Object(columns));
+        }
+        DataType::List(element) | DataType::LargeList(element) => {
+            return Some(Shape::List(Box::new(shape(element.data_type(), allow)?)));
+        }
+        DataType::Map(entries, _) => match entries.data_type() {
+            DataType::Struct(kv) if kv.len() == 2 => {
+                return Some(Shape::Map(Box::new(shape(kv[1].data_type(), allow)?)));
+            }
+            _ => return None,
+        },
+        _ => return None,
+    }))
 }
 
 fn int(min: impl Into<i128>, max: impl Into<i128>) -> Kind {
