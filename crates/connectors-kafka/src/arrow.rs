@@ -841,6 +841,44 @@ mod tests {
 
     use super::*;
 
+    #[test]
+    fn values_inside_structs_lists_and_maps_must_fit_exactly_too() {
+        let item = DataType::Struct(vec![Field::new("qty", DataType::Int32, false)].into());
+        let entries = DataType::Struct(
+            vec![
+                Field::new("key", DataType::Utf8, false),
+                Field::new("value", DataType::Int64, true),
+            ]
+            .into(),
+        );
+        let format = JsonArrow::new(Arc::new(Schema::new(vec![
+            Field::new(
+                "items",
+                DataType::List(Arc::new(Field::new("element", item, true))),
+                true,
+            ),
+            Field::new(
+                "tags",
+                DataType::Map(Arc::new(Field::new("key_value", entries, false)), false),
+                true,
+            ),
+        ])));
+        let mut d = JsonArrowDecoder::new(&format, 1 << 20, 64);
+        let (batch, bad) = d.decode(&[
+            br#"{"items": [{"qty": 1}, {"qty": 2.0}], "tags": {"a": 1}}"#,
+            br#"{"items": [{"qty": 1.5}]}"#,
+            br#"{"tags": {"a": 1, "b": "12"}}"#,
+        ]);
+        assert_eq!(batch.unwrap().num_rows(), 1);
+        assert!(bad[0].is_none(), "{bad:?}");
+        let (reason, detail) = bad[1].clone().unwrap();
+        assert_eq!(reason, BadReason::LossyConversion);
+        assert!(detail.contains("\"items[].qty\""), "{detail}");
+        let (reason, detail) = bad[2].clone().unwrap();
+        assert_eq!(reason, BadReason::LossyConversion);
+        assert!(detail.contains("\"tags.b\""), "{detail}");
+    }
+
     /// A Nexmark bid's schema.
     fn bids() -> JsonArrow {
         JsonArrow::new(Arc::new(Schema::new(vec![
