@@ -69,35 +69,8 @@ fn duration(key: &str, value: &str) -> Result<Duration, JobFileError> {
 }
 
 fn arrow_type(key: &str, ty: &str) -> Result<DataType, JobFileError> {
-    let lower = ty.trim().to_ascii_lowercase();
-    if ["struct", "list", "map"]
-        .iter()
-        .any(|p| lower.starts_with(p) && lower[p.len()..].trim_start().starts_with('<'))
-    {
-        let parsed: ColumnType = ty.parse().map_err(|m: String| err(key, m))?;
-        return arrow_of(&parsed).map_err(|m| err(key, m));
-    }
-    Ok(match lower.as_str() {
-        "boolean" | "bool" => DataType::Boolean,
-        "int" | "integer" => DataType::Int32,
-        "long" | "bigint" => DataType::Int64,
-        "float" => DataType::Float32,
-        "double" => DataType::Float64,
-        "string" => DataType::Utf8,
-        "date" => DataType::Date32,
-        "timestamp" => DataType::Timestamp(TimeUnit::Microsecond, None),
-        "timestamptz" => DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into())),
-        other => {
-            return Err(err(
-                key,
-                format!(
-                    "unknown type `{other}`; expected one of boolean, int, long, float, double, \
-                     string, date, timestamp, timestamptz, or struct<name: type, ...>, \
-                     list<type>, map<string, type> of them"
-                ),
-            ));
-        }
-    })
+    let parsed: ColumnType = ty.parse().map_err(|m: String| err(key, m))?;
+    arrow_of(&parsed).map_err(|m| err(key, m))
 }
 
 /// The Arrow type a JSON field of type `ty` decodes into: struct fields,
@@ -121,7 +94,9 @@ fn arrow_of(ty: &ColumnType) -> Result<DataType, String> {
         }
         ColumnType::Binary | ColumnType::Decimal { .. } => {
             return Err(format!(
-                "{ty:?} is not a type JSON fields take; use string, long or double"
+                "{ty:?} is not a type JSON fields take; expected one of boolean, int, long, \
+                 float, double, string, date, timestamp, timestamptz, or struct<name: type, ...>, \
+                 list<type>, map<string, type> of them"
             ));
         }
         ColumnType::Struct(columns) => DataType::Struct(

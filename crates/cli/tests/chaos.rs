@@ -846,6 +846,39 @@ fn files_under(dir: &Path) -> u64 {
 
 // ---- formats through the product ----
 
+/// Writes `dir/<name>.toml`: a bounded job of two subtasks named `name`
+/// with this `[source]` body, writing `namespace.table` in a sqlite catalog
+/// in `dir`.
+fn bounded_job(dir: &Path, name: &str, source: &str, namespace: &str, table: &str) -> PathBuf {
+    let job = dir.join(format!("{name}.toml"));
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+name = "{name}"
+parallelism = 2
+
+[source]
+bounded = true
+{source}
+
+[sink]
+namespace = "{namespace}"
+table = "{table}"
+catalog = {{ type = "sqlite", dir = "{dir}" }}
+
+[checkpoint]
+interval = "300ms"
+dir = "{dir}/checkpoints"
+"#,
+            dir = dir.display()
+        ),
+    )
+    .unwrap();
+    job
+}
+
 /// A bounded job of `format = "raw"` (log lines) with the key and three
 /// headers as columns, one of them binary: pyiceberg reads back every row
 /// value for value; a tombstone's value and a missing
@@ -879,19 +912,9 @@ async fn a_raw_job_keeps_values_keys_and_headers_value_for_value() {
     produce_records(&bootstrap, &topic, &records).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
-    let job = dir.join("raw.toml");
-    std::fs::write(
-        &job,
-        format!(
-            r#"
-[job]
-name = "raw-lines"
-parallelism = 2
-
-[source]
-bootstrap_servers = "{bootstrap}"
+    let source = format!(
+        r#"bootstrap_servers = "{bootstrap}"
 topics = ["{topic}"]
-bounded = true
 bad_records = "skip"
 format = "raw"
 value = {{ column = "line" }}
@@ -907,21 +930,9 @@ column = "signature"
 type = "binary"
 
 [[source.headers]]
-name = "env"
-
-[sink]
-namespace = "logs"
-table = "lines"
-catalog = {{ type = "sqlite", dir = "{dir}" }}
-
-[checkpoint]
-interval = "300ms"
-dir = "{dir}/checkpoints"
-"#,
-            dir = dir.display()
-        ),
-    )
-    .unwrap();
+name = "env""#
+    );
+    let job = bounded_job(&dir, "raw-lines", &source, "logs", "lines");
     let mut run = Run::start(&job, &dir, 0);
     run.exits_0_within_120_s("a bounded raw job still ran after 120 s");
     let rows = tinyflow_tests::pyiceberg_rows(
@@ -1024,40 +1035,18 @@ async fn a_nested_json_job_writes_structs_lists_and_maps_value_for_value() {
     produce(0..300);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
-    let job = dir.join("nested.toml");
-    std::fs::write(
-        &job,
-        format!(
-            r#"
-[job]
-name = "nested"
-parallelism = 2
-
-[source]
-bootstrap_servers = "{bootstrap}"
+    let source = format!(
+        r#"bootstrap_servers = "{bootstrap}"
 topics = ["{topic}"]
-bounded = true
 fields = [
   {{ name = "id", type = "long", required = true }},
   {{ name = "buyer", type = "struct<name: string, address: struct<city: string, zip: string>>" }},
   {{ name = "items", type = "list<struct<sku: string not null, qty: int not null>>" }},
   {{ name = "tags", type = "map<string, long>" }},
   {{ name = "scores", type = "list<double>" }},
-]
-
-[sink]
-namespace = "shop"
-table = "orders"
-catalog = {{ type = "sqlite", dir = "{dir}" }}
-
-[checkpoint]
-interval = "300ms"
-dir = "{dir}/checkpoints"
-"#,
-            dir = dir.display()
-        ),
-    )
-    .unwrap();
+]"#
+    );
+    let job = bounded_job(&dir, "nested", &source, "shop", "orders");
     Run::start(&job, &dir, 0).exits_0_within_120_s("a bounded nested job still ran after 120 s");
     produce(300..400);
     Run::start(&job, &dir, 0).exits_0_within_120_s("the second run still ran after 120 s");
