@@ -360,9 +360,14 @@ pub fn pyiceberg_read_catalog(
 ///
 /// # Panics
 /// As [`pyiceberg_read_catalog`].
-pub fn pyiceberg_rows(dir: &std::path::Path, table: &str, columns: &[&str]) -> serde_json::Value {
+pub fn pyiceberg_rows(
+    dir: &std::path::Path,
+    table: &str,
+    columns: &[&str],
+) -> Vec<Vec<serde_json::Value>> {
     let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir);
-    pyiceberg_read_dumping(&catalog, table, &[columns[0]], columns)["dump"].take()
+    let rows = pyiceberg_read_dumping(&catalog, table, &[columns[0]], columns)["dump"].take();
+    serde_json::from_value(rows).expect("read_table.py dumps a list of rows")
 }
 
 fn pyiceberg_read_dumping(

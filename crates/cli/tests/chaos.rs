@@ -935,7 +935,7 @@ name = "env""#
     let job = bounded_job(&dir, "raw-lines", &source, "logs", "lines");
     let mut run = Run::start(&job, &dir, 0);
     run.exits_0_within_120_s("a bounded raw job still ran after 120 s");
-    let rows = tinyflow_tests::pyiceberg_rows(
+    let mut got = tinyflow_tests::pyiceberg_rows(
         &dir,
         "logs.lines",
         &[
@@ -947,12 +947,6 @@ name = "env""#
             "_kafka_partition",
         ],
     );
-    let mut got: Vec<Vec<serde_json::Value>> = rows
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r.as_array().unwrap().clone())
-        .collect();
     got.sort_by_key(|r| r[0].as_str().unwrap().parse::<i64>().unwrap());
     let want: Vec<Vec<serde_json::Value>> = (0..n)
         .map(|i| {
@@ -1050,17 +1044,11 @@ fields = [
     Run::start(&job, &dir, 0).exits_0_within_120_s("a bounded nested job still ran after 120 s");
     produce(300..400);
     Run::start(&job, &dir, 0).exits_0_within_120_s("the second run still ran after 120 s");
-    let rows = tinyflow_tests::pyiceberg_rows(
+    let mut got = tinyflow_tests::pyiceberg_rows(
         &dir,
         "shop.orders",
         &["id", "buyer", "items", "tags", "scores"],
     );
-    let mut got: Vec<Vec<serde_json::Value>> = rows
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r.as_array().unwrap().clone())
-        .collect();
     got.sort_by_key(|r| r[0].as_u64().unwrap());
     assert_eq!(got.len(), 400, "rows");
     for (i, row) in got.iter().enumerate() {
