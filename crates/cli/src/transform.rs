@@ -50,27 +50,32 @@ enum ArithOp {
     Div,
 }
 
+/// Where a column is: the index of a top-level column, then of a field
+/// in each struct below it (`buyer.address.city`).
+type ColumnPath = Vec<usize>;
+
 #[derive(Debug, Clone, PartialEq)]
 enum Operand {
-    Column(usize),
+    Column(ColumnPath),
     Literal(Literal),
 }
 
 /// One planned step.
 #[derive(Debug, Clone, PartialEq)]
 enum TransformOp {
-    /// Keep columns at these indices, in order.
-    Select(Vec<usize>),
+    /// Keep the columns at these paths, in order (a nested field becomes a
+    /// top-level column).
+    Select(Vec<ColumnPath>),
     /// Same columns, new schema (renamed fields).
     Rename,
     /// Keep rows where the column compares true with the literal.
     Compare {
-        column: usize,
+        column: ColumnPath,
         op: CmpOp,
         value: Literal,
     },
     /// Keep rows where the column is null (`is_null`) or not null.
-    Null { column: usize, is_null: bool },
+    Null { column: ColumnPath, is_null: bool },
     /// Compute a column; `replace` is the index of a column it replaces,
     /// appended when `None`.
     Compute { expr: Expr, replace: Option<usize> },
@@ -145,6 +150,82 @@ fn column_index(key: &str, schema: &Schema, name: &str) -> Result<usize, JobFile
     })
 }
 
+/// The path of column `name`: a top-level column, or a field inside
+/// struct columns, `a.b.c` (a top-level name with dots is taken first).
+fn column_path(key: &str, schema: &Schema, name: &str) -> Result<ColumnPath, JobFileError> {
+    if let Ok(i) = schema.index_of(name) {
+        return Ok(vec![i]);
+    }
+    let mut parts = name.split('.');
+    let first = parts.next().unwrap_or_default();
+    let Ok(top) = schema.index_of(first) else {
+        return column_index(key, schema, name).map(|i| vec![i]);
+    };
+    let mut path = vec![top];
+    let mut field = schema.field(top);
+    for part in parts {
+        let DataType::Struct(fields) = field.data_type() else {
+            return Err(JobFileError::new(
+                key,
+                format!(
+                    "`{name}`: `{}` is {}, not a struct",
+                    field.name(),
+                    field.data_type()
+                ),
+            ));
+        };
+        let Some((i, f)) = fields.find(part) else {
+            let names: Vec<&str> = fields.iter().map(|f| f.name().as_str()).collect();
+            return Err(JobFileError::new(
+                key,
+                format!(
+                    "`{name}`: struct `{}` has no field `{part}`; its fields are: {}",
+                    field.name(),
+                    names.join(", ")
+                ),
+            ));
+        };
+        path.push(i);
+        field = f;
+    }
+    Ok(path)
+}
+
+/// The field at `path`; nullable if any struct above it is.
+fn field_at(schema: &Schema, path: &[usize]) -> Field {
+    let mut field = schema.field(path[0]).clone();
+    let mut nullable = field.is_nullable();
+    for &i in &path[1..] {
+        let DataType::Struct(fields) = field.data_type() else {
+            unreachable!("planned by column_path");
+        };
+        field = (*fields[i]).clone();
+        nullable |= field.is_nullable();
+    }
+    field.with_nullable(nullable)
+}
+
+/// The values at `path` in `batch`: a field of a null struct is null.
+fn column_at(batch: &RecordBatch, path: &[usize]) -> Result<ArrayRef, String> {
+    let mut col = Arc::clone(batch.column(path[0]));
+    for &i in &path[1..] {
+        let parent = col
+            .as_any()
+            .downcast_ref::<arrow_array::StructArray>()
+            .ok_or("planned as a struct")?;
+        let child = parent.column(i);
+        let nulls = arrow_buffer::NullBuffer::union(parent.nulls(), child.nulls());
+        let data = child
+            .to_data()
+            .into_builder()
+            .nulls(nulls)
+            .build()
+            .map_err(|e| e.to_string())?;
+        col = arrow_array::make_array(data);
+    }
+    Ok(col)
+}
+
 fn plan_step(
     key: &str,
     s: &TransformSection,
@@ -170,25 +251,27 @@ fn plan_step(
         if cols.is_empty() {
             return Err(JobFileError::new(key, "expected at least one column"));
         }
-        let mut idx = Vec::with_capacity(cols.len());
+        let mut paths = Vec::with_capacity(cols.len());
+        let mut fields: Vec<Field> = Vec::with_capacity(cols.len());
         for c in cols {
-            let i = column_index(&key, schema, c)?;
-            if idx.contains(&i) {
+            let path = column_path(&key, schema, c)?;
+            // A nested field is named by its own name: `buyer.name` -> `name`.
+            let field = field_at(schema, &path);
+            if paths.contains(&path) || fields.iter().any(|f| f.name() == field.name()) {
                 return Err(JobFileError::new(
                     key,
-                    format!("column `{c}` selected twice"),
+                    format!(
+                        "column `{}` selected twice (`{c}`; a nested field is named by its own name)",
+                        field.name()
+                    ),
                 ));
             }
-            idx.push(i);
+            paths.push(path);
+            fields.push(field);
         }
-        let output = Arc::new(
-            schema
-                .project(&idx)
-                .map_err(|e| JobFileError::new(&key, e.to_string()))?,
-        );
         return Ok(Transform {
-            op: TransformOp::Select(idx),
-            output,
+            op: TransformOp::Select(paths),
+            output: Arc::new(Schema::new(fields)),
         });
     }
     if let Some(renames) = &s.rename {
@@ -249,7 +332,7 @@ fn plan_step(
 
 fn operand_nullable(o: &Operand, schema: &Schema) -> bool {
     match o {
-        Operand::Column(i) => schema.field(*i).is_nullable(),
+        Operand::Column(path) => field_at(schema, path).is_nullable(),
         Operand::Literal(_) => false,
     }
 }
@@ -286,7 +369,7 @@ fn parse_filter(key: &str, text: &str, schema: &Schema) -> Result<TransformOp, J
     let lower = t.to_ascii_lowercase();
     for (suffix, is_null) in [(" is not null", false), (" is null", true)] {
         if let Some(col) = lower.strip_suffix(suffix) {
-            let column = column_index(key, schema, t[..col.len()].trim())?;
+            let column = column_path(key, schema, t[..col.len()].trim())?;
             return Ok(TransformOp::Null { column, is_null });
         }
     }
@@ -314,7 +397,7 @@ fn parse_filter(key: &str, text: &str, schema: &Schema) -> Result<TransformOp, J
     };
     let name = t[..pos].trim();
     let value_text = t[pos + sym.len()..].trim();
-    let column = column_index(key, schema, name)?;
+    let column = column_path(key, schema, name)?;
     let value = parse_literal(value_text).ok_or_else(|| {
         JobFileError::new(
             key,
@@ -323,7 +406,8 @@ fn parse_filter(key: &str, text: &str, schema: &Schema) -> Result<TransformOp, J
             ),
         )
     })?;
-    let ty = schema.field(column).data_type();
+    let field = field_at(schema, &column);
+    let ty = field.data_type();
     let fits = match &value {
         Literal::Int(_) | Literal::Float(_) => is_numeric(ty),
         Literal::Str(_) => matches!(ty, DataType::Utf8 | DataType::LargeUtf8),
@@ -349,7 +433,7 @@ fn parse_operand(key: &str, text: &str, schema: &Schema) -> Result<Operand, JobF
     if t.is_empty() {
         return Err(JobFileError::new(key, "an operand is missing"));
     }
-    if schema.index_of(t).is_err()
+    if column_path(key, schema, t).is_err()
         && let Some(l) = parse_literal(t)
     {
         return match l {
@@ -360,13 +444,12 @@ fn parse_operand(key: &str, text: &str, schema: &Schema) -> Result<Operand, JobF
             )),
         };
     }
-    let i = column_index(key, schema, t)?;
-    Ok(Operand::Column(i))
+    Ok(Operand::Column(column_path(key, schema, t)?))
 }
 
 fn operand_type(o: &Operand, schema: &Schema) -> DataType {
     match o {
-        Operand::Column(i) => schema.field(*i).data_type().clone(),
+        Operand::Column(path) => field_at(schema, path).data_type().clone(),
         Operand::Literal(Literal::Int(_)) => DataType::Int64,
         Operand::Literal(_) => DataType::Float64,
     }
@@ -435,7 +518,9 @@ fn operand_datum(
     ty: &DataType,
 ) -> Result<Box<dyn Datum>, String> {
     Ok(match o {
-        Operand::Column(i) => Box::new(cast(batch.column(*i), ty).map_err(|e| e.to_string())?),
+        Operand::Column(path) => {
+            Box::new(cast(&column_at(batch, path)?, ty).map_err(|e| e.to_string())?)
+        }
         Operand::Literal(l) => Box::new(Scalar::new(literal_array(l, ty)?)),
     })
 }
@@ -444,14 +529,17 @@ fn apply_step(step: &Transform, batch: &RecordBatch) -> Result<RecordBatch, Stri
     let out = Arc::clone(&step.output);
     match &step.op {
         TransformOp::Select(idx) => {
-            let cols = idx.iter().map(|i| Arc::clone(batch.column(*i))).collect();
+            let cols = idx
+                .iter()
+                .map(|path| column_at(batch, path))
+                .collect::<Result<Vec<_>, _>>()?;
             RecordBatch::try_new(out, cols).map_err(|e| e.to_string())
         }
         TransformOp::Rename => {
             RecordBatch::try_new(out, batch.columns().to_vec()).map_err(|e| e.to_string())
         }
         TransformOp::Null { column, is_null } => {
-            let col = batch.column(*column);
+            let col = &column_at(batch, column)?;
             let keep = if *is_null {
                 arrow_arith::boolean::is_null(col)
             } else {
@@ -461,7 +549,7 @@ fn apply_step(step: &Transform, batch: &RecordBatch) -> Result<RecordBatch, Stri
             filter_record_batch(batch, &keep).map_err(|e| e.to_string())
         }
         TransformOp::Compare { column, op, value } => {
-            let col = batch.column(*column);
+            let col = &column_at(batch, column)?;
             let ty = col.data_type();
             // Compare integers with a fractional literal as floats.
             let (col, ty) = match (value, ty.is_integer()) {
@@ -486,7 +574,7 @@ fn apply_step(step: &Transform, batch: &RecordBatch) -> Result<RecordBatch, Stri
         TransformOp::Compute { expr, replace } => {
             let value: ArrayRef = match &expr.op {
                 None => match &expr.left {
-                    Operand::Column(i) => Arc::clone(batch.column(*i)),
+                    Operand::Column(path) => column_at(batch, path)?,
                     Operand::Literal(l) => {
                         let one = literal_array(l, &expr.ty)?;
                         let idx = arrow_array::UInt32Array::from(vec![0u32; batch.num_rows()]);
@@ -592,6 +680,141 @@ mod tests {
             ],
         )
         .unwrap()
+    }
+
+    /// `id`, and `buyer: struct<name: string, address: struct<city: string, zip: long>>`
+    /// with rows: Ann in Oslo 1000; Bob with no address; a null buyer;
+    /// Cy in Lyon 69000.
+    fn nested_batch() -> RecordBatch {
+        use arrow_array::StructArray;
+        let address_fields = vec![
+            Field::new("city", DataType::Utf8, true),
+            Field::new("zip", DataType::Int64, true),
+        ];
+        let address = StructArray::new(
+            address_fields.clone().into(),
+            vec![
+                Arc::new(StringArray::from(vec![
+                    Some("Oslo"),
+                    None,
+                    Some("X"),
+                    Some("Lyon"),
+                ])),
+                Arc::new(Int64Array::from(vec![
+                    Some(1000),
+                    None,
+                    Some(5),
+                    Some(69000),
+                ])),
+            ],
+            Some(vec![true, false, true, true].into()),
+        );
+        let buyer_fields = vec![
+            Field::new("name", DataType::Utf8, true),
+            Field::new("address", DataType::Struct(address_fields.into()), true),
+        ];
+        // The third buyer is null, though its children hold values.
+        let buyer = StructArray::new(
+            buyer_fields.clone().into(),
+            vec![
+                Arc::new(StringArray::from(vec![
+                    Some("Ann"),
+                    Some("Bob"),
+                    Some("Zed"),
+                    Some("Cy"),
+                ])),
+                Arc::new(address),
+            ],
+            Some(vec![true, true, false, true].into()),
+        );
+        RecordBatch::try_new(
+            Arc::new(Schema::new(vec![
+                Field::new("id", DataType::Int64, false),
+                Field::new("buyer", DataType::Struct(buyer_fields.into()), true),
+            ])),
+            vec![
+                Arc::new(Int64Array::from(vec![1, 2, 3, 4])),
+                Arc::new(buyer),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn nested_fields_are_addressed_by_path_and_null_under_a_null_struct() {
+        let b = nested_batch();
+        let run = |sections: Vec<TransformSection>| {
+            Transforms::plan(&sections, b.schema())
+                .unwrap()
+                .apply(&b)
+                .unwrap()
+        };
+        let ids = |b: &RecordBatch| -> Vec<i64> {
+            b.column_by_name("id")
+                .unwrap()
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .values()
+                .to_vec()
+        };
+        assert_eq!(ids(&run(vec![filter("buyer.address.city == 'Oslo'")])), [1]);
+        // The null buyer's city is null, though the child array holds "X".
+        assert_eq!(
+            ids(&run(vec![filter("buyer.address.city is null")])),
+            [2, 3]
+        );
+        assert_eq!(ids(&run(vec![filter("buyer.address.zip > 2000")])), [4]);
+        let selected = run(vec![TransformSection {
+            select: Some(vec![
+                "id".into(),
+                "buyer.name".into(),
+                "buyer.address.zip".into(),
+            ]),
+            ..TransformSection::default()
+        }]);
+        let names: Vec<String> = selected
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| format!("{}:{}:{}", f.name(), f.data_type(), f.is_nullable()))
+            .collect();
+        assert_eq!(
+            names,
+            ["id:Int64:false", "name:Utf8:true", "zip:Int64:true"]
+        );
+        let zips = selected
+            .column(2)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap();
+        assert_eq!(
+            zips.iter().collect::<Vec<_>>(),
+            [Some(1000), None, None, Some(69000)]
+        );
+        let computed = run(vec![compute("zip_k", "buyer.address.zip / 1000")]);
+        let k = computed
+            .column(2)
+            .as_any()
+            .downcast_ref::<Float64Array>()
+            .unwrap();
+        assert_eq!(
+            k.iter().collect::<Vec<_>>(),
+            [Some(1.0), None, None, Some(69.0)]
+        );
+        for (bad, says) in [
+            (
+                "buyer.town == 'x'",
+                "struct `buyer` has no field `town`; its fields are: name, address",
+            ),
+            ("buyer.name.first == 'x'", "`name` is Utf8, not a struct"),
+            ("buyers.name == 'x'", "no column `buyers.name`"),
+        ] {
+            let err = Transforms::plan(&[filter(bad)], b.schema())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     fn filter(f: &str) -> TransformSection {
