@@ -75,9 +75,15 @@ const LOG_TAIL_LINES: usize = 60;
 
 /// Runs `cargo xtask kafka <args>`.
 pub(crate) fn main(args: &[String]) -> Result<()> {
-    let (action, port) = parse_args(args, std::env::var("TINYFLOW_KAFKA_PORT").ok())?;
+    let (action, port, oidc) = parse_args(args, std::env::var("TINYFLOW_KAFKA_PORT").ok())?;
     let layout = Layout::new(port)?;
-    let oidc = oidc_issuer(args);
+    // The identity provider whose tokens a freshly formatted broker takes:
+    // `--oidc-issuer URL`, else `$TINYFLOW_OIDC_ISSUER`, else none.
+    let oidc = oidc.or_else(|| {
+        std::env::var("TINYFLOW_OIDC_ISSUER")
+            .ok()
+            .filter(|url| !url.is_empty())
+    });
     let oidc = oidc.as_deref();
     match action {
         Action::Start => {
@@ -133,7 +139,7 @@ impl CiBroker {
                 secured: Vec::new(),
             });
         }
-        let (_, port) = parse_args(
+        let (_, port, _) = parse_args(
             &["start".to_owned()],
             std::env::var("TINYFLOW_KAFKA_PORT").ok(),
         )?;
@@ -175,7 +181,8 @@ enum Action {
     Status,
 }
 
-fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)> {
+/// The action, the port and `--oidc-issuer`'s URL, if given.
+fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16, Option<String>)> {
     let usage = "usage: cargo xtask kafka <start|stop|kill|restart|resume|discard|status> [--port N] [--secured] [--oidc-issuer URL]";
     let action = match args.first().map(String::as_str) {
         Some("start") => Action::Start,
@@ -187,17 +194,18 @@ fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)
         Some("status") => Action::Status,
         other => bail!("unknown or missing kafka command {other:?}; {usage}"),
     };
-    let mut port_text = None;
+    let (mut port_text, mut oidc_issuer) = (None, None);
     let mut rest = args[1..].iter().filter(|a| *a != "--secured");
     while let Some(arg) = rest.next() {
         if arg == "--oidc-issuer" {
-            // Read by `oidc_issuer`.
-            rest.next().context("--oidc-issuer needs a URL")?;
+            oidc_issuer = Some(rest.next().context("--oidc-issuer needs a URL")?.clone());
+        } else if let Some(url) = arg.strip_prefix("--oidc-issuer=") {
+            oidc_issuer = Some(url.to_owned());
         } else if arg == "--port" {
             port_text = Some(rest.next().context("--port needs a value")?.clone());
         } else if let Some(value) = arg.strip_prefix("--port=") {
             port_text = Some(value.to_owned());
-        } else if !arg.starts_with("--oidc-issuer=") {
+        } else {
             bail!("unexpected argument {arg:?}; {usage}");
         }
     }
@@ -208,24 +216,7 @@ fn parse_args(args: &[String], env_port: Option<String>) -> Result<(Action, u16)
         },
         None => DEFAULT_PORT,
     };
-    Ok((action, port))
-}
-
-/// The identity provider whose tokens a freshly formatted broker takes:
-/// `--oidc-issuer URL`, else `$TINYFLOW_OIDC_ISSUER`, else none.
-fn oidc_issuer(args: &[String]) -> Option<String> {
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if arg == "--oidc-issuer" {
-            return it.next().cloned();
-        }
-        if let Some(url) = arg.strip_prefix("--oidc-issuer=") {
-            return Some(url.to_owned());
-        }
-    }
-    std::env::var("TINYFLOW_OIDC_ISSUER")
-        .ok()
-        .filter(|url| !url.is_empty())
+    Ok((action, port, oidc_issuer))
 }
 
 /// What the secured listener needs to take OAUTHBEARER tokens of `issuer`;
@@ -1040,19 +1031,19 @@ mod tests {
     fn port_comes_from_flag_then_env_then_default() {
         assert_eq!(
             parse_args(&args(&["start"]), None).unwrap(),
-            (Action::Start, 9092)
+            (Action::Start, 9092, None)
         );
         assert_eq!(
             parse_args(&args(&["stop"]), Some("19092".into())).unwrap(),
-            (Action::Stop, 19092)
+            (Action::Stop, 19092, None)
         );
         assert_eq!(
             parse_args(&args(&["status", "--port", "29092"]), Some("19092".into())).unwrap(),
-            (Action::Status, 29092)
+            (Action::Status, 29092, None)
         );
         assert_eq!(
             parse_args(&args(&["start", "--port=39092"]), None).unwrap(),
-            (Action::Start, 39092)
+            (Action::Start, 39092, None)
         );
         assert!(parse_args(&args(&["start", "--port", "0"]), None).is_err());
         assert!(parse_args(&args(&["start", "--port"]), None).is_err());
@@ -1060,19 +1051,19 @@ mod tests {
         assert!(parse_args(&args(&["start", "--verbose"]), None).is_err());
         assert_eq!(
             parse_args(&args(&["restart"]), None).unwrap(),
-            (Action::Restart, 9092)
+            (Action::Restart, 9092, None)
         );
         assert_eq!(
             parse_args(&args(&["resume", "--port", "19092"]), None).unwrap(),
-            (Action::Resume, 19092)
+            (Action::Resume, 19092, None)
         );
         assert_eq!(
             parse_args(&args(&["kill"]), None).unwrap(),
-            (Action::Kill, 9092)
+            (Action::Kill, 9092, None)
         );
         assert_eq!(
             parse_args(&args(&["discard", "--port", "19092"]), None).unwrap(),
-            (Action::Discard, 19092)
+            (Action::Discard, 19092, None)
         );
         assert!(parse_args(&args(&["reboot"]), None).is_err());
         assert!(parse_args(&args(&[]), None).is_err());
@@ -1128,14 +1119,17 @@ mod tests {
             )
         );
         assert_eq!(allowed_urls_option("a=b\n"), None);
-        assert_eq!(
-            oidc_issuer(&["start".into(), "--oidc-issuer".into(), "http://x".into()]).as_deref(),
-            Some("http://x")
-        );
-        assert_eq!(
-            parse_args(&["start".into(), "--oidc-issuer=http://x".into()], None).unwrap(),
-            (Action::Start, 9092)
-        );
+        for args in [
+            vec!["start", "--oidc-issuer", "http://x"],
+            vec!["start", "--oidc-issuer=http://x"],
+        ] {
+            let args: Vec<String> = args.into_iter().map(String::from).collect();
+            assert_eq!(
+                parse_args(&args, None).unwrap(),
+                (Action::Start, 9092, Some("http://x".to_owned()))
+            );
+        }
+        assert!(parse_args(&["start".into(), "--oidc-issuer".into()], None).is_err());
     }
 
     #[test]
