@@ -761,11 +761,6 @@ pub fn iceberg_schema(spec: &TableSpec) -> StreamResult<Schema> {
 /// Why a column declared `declared` does not fit the table's `actual`
 /// type (ids aside), if it does not.
 fn misfit(declared: &ColumnType, actual: &Type) -> Option<String> {
-    let optional_where_required = |what: &str| {
-        Some(format!(
-            "{what} declared optional, the table requires a value"
-        ))
-    };
     match (declared, actual) {
         (ColumnType::Struct(fields), Type::Struct(s)) => {
             let names: Vec<&str> = fields.iter().map(|f| f.name.as_str()).collect();
@@ -776,15 +771,10 @@ fn misfit(declared: &ColumnType, actual: &Type) -> Option<String> {
                 ));
             }
             fields.iter().zip(s.fields()).find_map(|(c, f)| {
-                if let Some(m) = misfit(&c.ty, &f.field_type) {
-                    return Some(format!("field `{}`: {m}", c.name));
-                }
-                (f.required && !c.required).then(|| {
-                    format!(
-                        "field `{}` declared optional, the table requires a value",
-                        c.name
-                    )
-                })
+                let what = format!("field `{}`", c.name);
+                misfit(&c.ty, &f.field_type)
+                    .map(|m| format!("{what}: {m}"))
+                    .or_else(|| optional_where_required(&what, c.required, f.required))
             })
         }
         (
@@ -796,9 +786,11 @@ fn misfit(declared: &ColumnType, actual: &Type) -> Option<String> {
         ) => misfit(element, &l.element_field.field_type)
             .map(|m| format!("list element: {m}"))
             .or_else(|| {
-                (l.element_field.required && !element_required)
-                    .then(|| optional_where_required("the list element"))
-                    .flatten()
+                optional_where_required(
+                    "the list element",
+                    *element_required,
+                    l.element_field.required,
+                )
             }),
         (
             ColumnType::Map {
@@ -811,20 +803,20 @@ fn misfit(declared: &ColumnType, actual: &Type) -> Option<String> {
             .map(|e| format!("map key: {e}"))
             .or_else(|| misfit(value, &m.value_field.field_type).map(|e| format!("map value: {e}")))
             .or_else(|| {
-                (m.value_field.required && !value_required)
-                    .then(|| optional_where_required("the map value"))
-                    .flatten()
+                optional_where_required("the map value", *value_required, m.value_field.required)
             }),
-        (ColumnType::Struct(_) | ColumnType::List { .. } | ColumnType::Map { .. }, _)
-        | (_, Type::Struct(_) | Type::List(_) | Type::Map(_)) => Some(format!(
-            "declared {}, the table has {actual}",
-            iceberg_type(declared, &mut 0)
-        )),
+        // A primitive, or a nested type against another kind: ids aside,
+        // any difference shows in the types themselves.
         (declared, actual) => {
             let declared = iceberg_type(declared, &mut 0);
             (declared != *actual).then(|| format!("declared {declared}, the table has {actual}"))
         }
     }
+}
+
+/// `what` declared optional where the table requires a value.
+fn optional_where_required(what: &str, declared: bool, table: bool) -> Option<String> {
+    (table && !declared).then(|| format!("{what} declared optional, the table requires a value"))
 }
 
 fn partition_spec(spec: &TableSpec, schema: &Schema) -> StreamResult<UnboundPartitionSpec> {

@@ -116,11 +116,15 @@ impl BytesAs {
         })
     }
 
-    /// Why `bytes`, the record's `what`, cannot be a value of this column.
-    fn check(self, what: &str, bytes: Option<&[u8]>) -> Option<BadRecord> {
+    /// Why `bytes`, the record's `what` (named only when bad), cannot be a
+    /// value of this column.
+    fn check(self, what: impl FnOnce() -> String, bytes: Option<&[u8]>) -> Option<BadRecord> {
         match (self, bytes) {
             (BytesAs::String, Some(b)) => std::str::from_utf8(b).err().map(|e| {
-                BadRecord::new(BadReason::Undecodable, format!("{what} is not UTF-8: {e}"))
+                BadRecord::new(
+                    BadReason::Undecodable,
+                    format!("{} is not UTF-8: {e}", what()),
+                )
             }),
             _ => None,
         }
@@ -655,12 +659,15 @@ impl ArrowDecoder {
     fn check_key_and_headers(&self, p: &Polled<'_>) -> Option<BadRecord> {
         let format = &self.payloads.format;
         if let Some((_, ty)) = &format.key
-            && let Some(bad) = ty.check("the key", p.msg.key())
+            && let Some(bad) = ty.check(|| "the key".to_owned(), p.msg.key())
         {
             return Some(bad);
         }
         format.headers.iter().find_map(|h| {
-            h.ty.check(&format!("header `{}`", h.header), header(&p.msg, &h.header))
+            h.ty.check(
+                || format!("header `{}`", h.header),
+                header(&p.msg, &h.header),
+            )
         })
     }
 
@@ -668,18 +675,15 @@ impl ArrowDecoder {
     /// as one column; a value too large or not UTF-8 (for a string column)
     /// makes its record bad.
     fn raw_batch(&mut self, polled: &[Polled<'_>], ty: BytesAs) -> Option<RecordBatch> {
-        let max = self.payloads.limits.max_bytes;
+        let limits = self.payloads.limits;
         for (p, bad) in polled.iter().zip(self.payloads.bad.iter_mut()) {
             if bad.is_some() {
                 continue;
             }
             let value = p.msg.payload();
-            *bad = match value {
-                Some(v) if v.len() > max => Some(BadRecord::new(
-                    BadReason::TooLarge,
-                    format!("{} bytes, more than max_record_bytes ({max})", v.len()),
-                )),
-                _ => ty.check("the value", value),
+            *bad = match value.map(|v| limits.check_size(v)) {
+                Some(Err(too_large)) => Some(too_large),
+                _ => ty.check(|| "the value".to_owned(), value),
             };
         }
         let good = polled
@@ -687,11 +691,22 @@ impl ArrowDecoder {
             .zip(&self.payloads.bad)
             .filter(|(_, b)| b.is_none())
             .map(|(p, _)| p.msg.payload());
-        let column = ty.column(good)?;
-        if column.is_empty() {
-            return None;
+        let batch = ty
+            .column(good)
+            .ok_or_else(|| "a value not UTF-8 passed the check".to_owned())
+            .and_then(|column| {
+                RecordBatch::try_new(Arc::clone(&self.payloads.format.schema), vec![column])
+                    .map_err(|e| e.to_string())
+            });
+        match batch {
+            Ok(batch) => (batch.num_rows() > 0).then_some(batch),
+            // Cannot happen: the column is built to the schema from checked
+            // values. Were it to, no record may pass as read without a row.
+            Err(e) => {
+                self.payloads.all_bad(BadReason::SchemaMismatch, e);
+                None
+            }
         }
-        RecordBatch::try_new(Arc::clone(&self.payloads.format.schema), vec![column]).ok()
     }
 
     /// `batch` (the values' columns of the `good` records) with the key,
@@ -705,7 +720,7 @@ impl ArrowDecoder {
         if format.key.is_none() && format.headers.is_empty() && !format.metadata {
             return Ok(batch);
         }
-        let not_utf8 = || "checked before: cannot happen".to_owned();
+        let not_utf8 = || "a key or header not UTF-8 passed the check".to_owned();
         let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
         if let Some((_, ty)) = &format.key {
             columns.push(
@@ -719,22 +734,20 @@ impl ArrowDecoder {
                     .ok_or_else(not_utf8)?,
             );
         }
-        if !format.metadata {
-            return RecordBatch::try_new(Arc::clone(&self.output), columns)
-                .map_err(|e| e.to_string());
+        if format.metadata {
+            columns.push(Arc::new(StringArray::from_iter_values(
+                good.iter().map(|p| &*p.topic),
+            )));
+            columns.push(Arc::new(Int32Array::from_iter_values(
+                good.iter().map(|p| p.msg.partition()),
+            )));
+            columns.push(Arc::new(Int64Array::from_iter_values(
+                good.iter().map(|p| p.msg.offset()),
+            )));
+            columns.push(Arc::new(Int64Array::from_iter(
+                good.iter().map(|p| p.msg.timestamp().to_millis()),
+            )));
         }
-        columns.push(Arc::new(StringArray::from_iter_values(
-            good.iter().map(|p| &*p.topic),
-        )));
-        columns.push(Arc::new(Int32Array::from_iter_values(
-            good.iter().map(|p| p.msg.partition()),
-        )));
-        columns.push(Arc::new(Int64Array::from_iter_values(
-            good.iter().map(|p| p.msg.offset()),
-        )));
-        columns.push(Arc::new(Int64Array::from_iter(
-            good.iter().map(|p| p.msg.timestamp().to_millis()),
-        )));
         RecordBatch::try_new(Arc::clone(&self.output), columns).map_err(|e| e.to_string())
     }
 }

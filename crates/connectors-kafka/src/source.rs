@@ -214,8 +214,8 @@ const TOKEN_REFUSED: &str = "the broker refused the OAUTHBEARER token: check sas
 /// How sure a security problem is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Certainty {
-    /// The broker said so (credentials refused, a certificate not
-    /// trusted): fail at once.
+    /// The broker or the identity provider said so (credentials or a
+    /// token refused, a certificate not trusted): fail at once.
     Now,
     /// Could be a passing fault (a TLS handshake cut short by a broker
     /// restarting): fail only if the broker never answered until the
@@ -228,7 +228,8 @@ pub(crate) enum Certainty {
 /// request the identity provider refused, a token the broker refused and a
 /// certificate not trusted are certain; a TLS handshake that fails, a hint
 /// of a plaintext client on a TLS listener, or an identity provider that
-/// does not answer, only if it lasts until the request's time-out. Retrying never mends these, so they fail the job for good.
+/// does not answer, only if it lasts until the request's time-out.
+/// Retrying never mends these, so they fail the job for good.
 pub(crate) fn security_problem(
     error: &KafkaError,
     reason: &str,
