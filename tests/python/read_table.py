@@ -12,25 +12,36 @@ set, holds further catalog properties as a JSON object (`s3.endpoint`,
 value_sum (the sum of SUM_COLUMN, when given), files (the data files of
 the current snapshot), dump (when the variable TINYFLOW_DUMP_COLUMNS names
 columns, comma-separated: every row's values of those columns, as lists, in
-table order; binary values as hex strings),
+table order; binary values as hex strings, decimals as strings, dates and
+timestamps in ISO 8601),
 partitions (the distinct partition values of the data files, each
 {field: value as a string}, sorted), snapshots (each
 snapshot's summary, oldest first), properties (the table's).
 """
 
+import datetime
+import decimal
 import json
 import os
 import sys
+import uuid
 
 from pyiceberg.catalog.rest import RestCatalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 
 def plain(v):
-    """A value as JSON takes it: bytes as hex, a map's (key, value) pairs
-    as lists, recursively."""
+    """A value as JSON takes it: bytes as hex, decimals as strings, dates
+    and times in ISO 8601, a map's (key, value) pairs as lists,
+    recursively."""
     if isinstance(v, bytes):
         return v.hex()
+    if isinstance(v, decimal.Decimal):
+        return str(v)
+    if isinstance(v, (datetime.date, datetime.datetime, datetime.time)):
+        return v.isoformat()
+    if isinstance(v, uuid.UUID):
+        return str(v)
     if isinstance(v, dict):
         return {k: plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):

@@ -8,6 +8,7 @@
 //! coordinator handle, so every step a test asserts is visible in the test.
 
 pub mod broker;
+pub mod registry;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -410,10 +411,7 @@ fn pyiceberg_read_dumping(
         }
     };
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let py = std::env::var_os("TINYFLOW_PYTHON").map_or_else(
-        || root.join("../target/pyiceberg-venv/bin/python"),
-        std::path::PathBuf::from,
-    );
+    let py = python();
     let out = std::process::Command::new(&py)
         .arg(root.join("python/read_table.py"))
         .args([name, &uri, &warehouse, table])
@@ -439,6 +437,19 @@ fn pyiceberg_read_dumping(
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("read_table.py prints one JSON object")
+}
+
+/// The Python the tests run their Python side with (pyiceberg, the schema
+/// registry, Confluent's serializers): `TINYFLOW_PYTHON`, or the venv
+/// `cargo xtask py-setup` makes.
+pub fn python() -> std::path::PathBuf {
+    std::env::var_os("TINYFLOW_PYTHON").map_or_else(
+        || {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/pyiceberg-venv/bin/python")
+        },
+        std::path::PathBuf::from,
+    )
 }
 
 /// The Iceberg REST catalog server for the REST catalog tests, from

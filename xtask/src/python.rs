@@ -1,6 +1,8 @@
-//! pyiceberg, the independent reader the Iceberg tests check tables with:
-//! a virtual environment in `target/pyiceberg-venv` with
-//! `pyiceberg[sql-sqlite,sql-postgres,pyarrow]` installed (about 30 s the first time,
+//! The tests' Python side, in a virtual environment in
+//! `target/pyiceberg-venv`: pyiceberg (`pyiceberg[sql-sqlite,sql-postgres,pyarrow]`),
+//! the independent reader the Iceberg tests check tables with, and
+//! confluent-kafka with its Avro serializer (fastavro), the ordinary
+//! producer the Avro tests write topics with (about 40 s the first time,
 //! nothing when it is there already).
 
 use std::path::PathBuf;
@@ -8,8 +10,13 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-/// The pinned pyiceberg (0.12 reads everything iceberg-rust 0.10 writes).
-const PACKAGE: &str = "pyiceberg[sql-sqlite,sql-postgres,pyarrow]==0.12.0";
+/// The pinned packages: pyiceberg (0.12 reads everything iceberg-rust
+/// 0.10 writes) and Confluent's Python client with its schema-registry
+/// serializers.
+const PACKAGES: &[&str] = &[
+    "pyiceberg[sql-sqlite,sql-postgres,pyarrow]==0.12.0",
+    "confluent-kafka[avro,schemaregistry]==2.16.2",
+];
 
 /// Where the environment lives: under the shared target dir, so a clean
 /// clone sets it up once and `cargo clean` removes it.
@@ -26,7 +33,10 @@ pub(crate) fn setup() -> Result<PathBuf> {
     let python = venv.join("bin/python");
     let ready = python.exists()
         && Command::new(&python)
-            .args(["-c", "import pyiceberg, pyarrow, sqlalchemy, psycopg2"])
+            .args([
+                "-c",
+                "import pyiceberg, pyarrow, sqlalchemy, psycopg2, fastavro, confluent_kafka.schema_registry.avro",
+            ])
             .status()
             .is_ok_and(|s| s.success());
     if ready {
@@ -46,7 +56,7 @@ pub(crate) fn setup() -> Result<PathBuf> {
             venv.display()
         );
     }
-    eprintln!("xtask: installing {PACKAGE}");
+    eprintln!("xtask: installing {}", PACKAGES.join(" "));
     let status = Command::new(&python)
         .args([
             "-m",
@@ -54,12 +64,12 @@ pub(crate) fn setup() -> Result<PathBuf> {
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            PACKAGE,
         ])
+        .args(PACKAGES)
         .status()
         .context("running pip")?;
     if !status.success() {
-        bail!("pip install {PACKAGE} failed ({status})");
+        bail!("pip install {} failed ({status})", PACKAGES.join(" "));
     }
     Ok(python)
 }

@@ -177,7 +177,10 @@ pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
 /// `tinyflow inspect JOB.toml`: an error (exit 4) when a run would refuse
 /// the job's state.
 async fn inspect_job(job: &std::path::Path) -> anyhow::Result<()> {
-    let plan = tinyflow_cli::JobFile::load(job).and_then(|f| f.plan())?;
+    let plan = tinyflow_cli::JobFile::load(job)?
+        .resolve_schema()
+        .await?
+        .plan()?;
     match tinyflow_cli::jobstate::inspect(&plan).await? {
         tinyflow_cli::jobstate::Agreement::Agree => Ok(()),
         tinyflow_cli::jobstate::Agreement::Disagree => Err(anyhow::Error::new(

@@ -63,9 +63,12 @@ pub struct SourceSection {
     pub group_id: Option<String>,
     /// `earliest` (default), `latest`, `committed` or `timestamp:<ms>`.
     pub start: Option<String>,
-    /// `json` (default: the declared `fields`) or `raw` (the value as it
+    /// `json` (default: the declared `fields`), `avro` (the Confluent wire
+    /// format, schemas from `[source.registry]`) or `raw` (the value as it
     /// is, in the one column `value` names).
     pub format: Option<String>,
+    /// `[source.registry]`: the schema registry of `avro` values.
+    pub registry: Option<RegistrySection>,
     /// `raw` only: the value's column (default `value`, `string`).
     pub value: Option<BytesColumn>,
     /// The record's key as a column (default: not kept).
@@ -102,9 +105,15 @@ pub struct SourceSection {
     /// librdkafka settings passed through (`security.protocol`, ...).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
-    /// The record schema: `[[source.fields]]`, in column order (`json`).
+    /// The record schema: `[[source.fields]]`, in column order (`json`;
+    /// with `avro`, the columns taken from each record, by name; when
+    /// absent, every field of the subject's latest schema).
     #[serde(default)]
     pub fields: Vec<FieldSection>,
+    /// With `avro` and no `fields`: the subject's latest schema, as
+    /// [`JobFile::resolve_schema`] fetched it.
+    #[serde(skip)]
+    pub registry_schema: Option<arrow_schema::SchemaRef>,
     /// `[source.event_time]`
     pub event_time: Option<EventTimeSection>,
     /// A larger record value is bad (`too_large`); default 8 MiB.
@@ -132,6 +141,26 @@ pub struct FieldSection {
     /// A record without it (or with null) is bad (default false).
     #[serde(default)]
     pub required: bool,
+}
+
+/// `[source.registry]`: a Confluent-compatible schema registry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistrySection {
+    /// `http://host:8081` or `https://...`.
+    pub url: String,
+    /// HTTP basic authentication (an API key and secret).
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// A PEM file of CA certificates for an `https` registry.
+    pub ca_location: Option<String>,
+    /// How long one request may take (default `10s`).
+    pub timeout: Option<String>,
+    /// The subject whose latest schema makes the columns when `fields` is
+    /// absent: `topic` (`<topic>-value`, the default), `record:<full
+    /// name>` or `topic-record:<full name>`, as the producers'
+    /// `subject.name.strategy`.
+    pub subject: Option<String>,
 }
 
 /// Bytes of a record (its value with `format = "raw"`, its key) as a

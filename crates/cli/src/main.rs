@@ -116,7 +116,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Validate { job } => {
-                let plan = JobFile::load(&job).and_then(|f| f.plan())?;
+                let plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
                 let columns: Vec<String> = plan
                     .output_schema
                     .fields()
@@ -135,7 +135,7 @@ fn main() -> ExitCode {
             }
             Command::Run { job } => {
                 init_tracing("info");
-                let plan = JobFile::load(&job).and_then(|f| f.plan())?;
+                let plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
                 let metrics = install_metrics(plan.metrics_address)?;
                 let (address, linger) = (plan.metrics_address, plan.metrics_linger);
                 let stop = StopHandle::new();
@@ -194,7 +194,7 @@ fn main() -> ExitCode {
                 to_timestamp,
             } => {
                 init_tracing("warn");
-                let plan = JobFile::load(&job).and_then(|f| f.plan())?;
+                let plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
                 let to = match (to_offsets, to_timestamp) {
                     (Some(o), _) => ResetTo::Start(ResetStart::Offsets(
                         parse_offsets(&o).map_err(|e| JobFileError {

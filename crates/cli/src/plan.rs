@@ -68,17 +68,18 @@ fn duration(key: &str, value: &str) -> Result<Duration, JobFileError> {
     parse_duration(value).map_err(|m| err(key, m))
 }
 
-fn arrow_type(key: &str, ty: &str) -> Result<DataType, JobFileError> {
+fn arrow_type(key: &str, ty: &str, avro: bool) -> Result<DataType, JobFileError> {
     let parsed: ColumnType = ty.parse().map_err(|m: String| err(key, m))?;
-    arrow_of(&parsed).map_err(|m| err(key, m))
+    arrow_of(&parsed, avro).map_err(|m| err(key, m))
 }
 
-/// The Arrow type a JSON field of type `ty` decodes into: struct fields,
-/// list elements and map values nullable unless declared `not null`; list
-/// elements and map entries named as Iceberg names them.
-fn arrow_of(ty: &ColumnType) -> Result<DataType, String> {
+/// The Arrow type a JSON (or, `avro`, an Avro) field of type `ty` decodes
+/// into: struct fields, list elements and map values nullable unless
+/// declared `not null`; list elements and map entries named as Iceberg
+/// names them. Binary and decimal columns only take Avro values.
+fn arrow_of(ty: &ColumnType, avro: bool) -> Result<DataType, String> {
     let field = |name: &str, ty: &ColumnType, required: bool| -> Result<Field, String> {
-        Ok(Field::new(name, arrow_of(ty)?, !required))
+        Ok(Field::new(name, arrow_of(ty, avro)?, !required))
     };
     Ok(match ty {
         ColumnType::Boolean => DataType::Boolean,
@@ -91,6 +92,17 @@ fn arrow_of(ty: &ColumnType) -> Result<DataType, String> {
         ColumnType::Timestamp => DataType::Timestamp(TimeUnit::Microsecond, None),
         ColumnType::Timestamptz => {
             DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into()))
+        }
+        ColumnType::Binary if avro => DataType::Binary,
+        ColumnType::Decimal { precision, scale } if avro => {
+            match (u8::try_from(*precision), i8::try_from(*scale)) {
+                (Ok(p @ 1..=38), Ok(s)) if s as u8 <= p => DataType::Decimal128(p, s),
+                _ => {
+                    return Err(format!(
+                        "{ty:?}: expected a precision of 1 to 38 and a scale of at most the precision"
+                    ));
+                }
+            }
         }
         ColumnType::Binary | ColumnType::Decimal { .. } => {
             return Err(format!(
@@ -116,7 +128,7 @@ fn arrow_of(ty: &ColumnType) -> Result<DataType, String> {
             value_required,
         } => {
             if **key != ColumnType::String {
-                return Err("a JSON map's keys are strings: map<string, type>".to_owned());
+                return Err("a map's keys are strings: map<string, type>".to_owned());
             }
             let entries = DataType::Struct(
                 vec![
@@ -140,7 +152,26 @@ fn column_type(field: &Field) -> Result<ColumnType, String> {
         DataType::Float64 => ColumnType::Double,
         DataType::Utf8 | DataType::LargeUtf8 => ColumnType::String,
         DataType::Binary | DataType::LargeBinary => ColumnType::Binary,
+        // Avro's enums and UUIDs (as text), fixed and decimals.
+        DataType::Dictionary(_, v) if **v == DataType::Utf8 => ColumnType::String,
+        DataType::FixedSizeBinary(16)
+            if field.extension_type_name() == Some("arrow.uuid")
+                || field.metadata().get("logicalType").map(String::as_str) == Some("uuid") =>
+        {
+            ColumnType::String
+        }
+        DataType::FixedSizeBinary(_) => ColumnType::Binary,
+        DataType::Decimal128(p, s) if *s >= 0 => ColumnType::Decimal {
+            precision: u32::from(*p),
+            scale: *s as u32,
+        },
         DataType::Date32 => ColumnType::Date,
+        DataType::Timestamp(TimeUnit::Nanosecond, _) => {
+            return Err(format!(
+                "column `{}` holds nanoseconds, which no Iceberg v2 timestamp takes",
+                field.name()
+            ));
+        }
         DataType::Timestamp(_, None) => ColumnType::Timestamp,
         DataType::Timestamp(_, Some(_)) => ColumnType::Timestamptz,
         DataType::Struct(fields) => ColumnType::Struct(
@@ -178,8 +209,9 @@ fn column_type(field: &Field) -> Result<ColumnType, String> {
 
 /// The value's format: `json` (the declared fields) or `raw` (one column).
 fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
-    match s.format.as_deref().map(str::trim) {
-        None | Some("json") => {}
+    let avro = match s.format.as_deref().map(str::trim) {
+        None | Some("json") => false,
+        Some("avro") => true,
         Some("raw") => {
             let what = "with format = \"raw\" the value is one column (source.value)";
             if !s.fields.is_empty() {
@@ -198,15 +230,43 @@ fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
         Some(other) => {
             return Err(err(
                 "source.format",
-                format!("`{other}`: expected json or raw"),
+                format!("`{other}`: expected json, avro or raw"),
             ));
         }
-    }
+    };
     if s.value.is_some() {
         return Err(err(
             "source.value",
-            "only with format = \"raw\"; a JSON value's columns are source.fields",
+            "only with format = \"raw\"; a JSON or Avro value's columns are source.fields",
         ));
+    }
+    if avro {
+        if !s.coerce.is_empty() {
+            return Err(err(
+                "source.coerce",
+                "not taken with format = \"avro\": Avro values convert only without loss",
+            ));
+        }
+        let registry = registry_config(s)?;
+        let schema = if s.fields.is_empty() {
+            let Some(fetched) = &s.registry_schema else {
+                return Err(err(
+                    "source.fields",
+                    "absent, and the registry's schema was not fetched (JobFile::resolve_schema)",
+                ));
+            };
+            table_schema(fetched).map_err(|m| err("source.registry", m))?
+        } else {
+            Arc::new(Schema::new(declared_fields(s, true)?))
+        };
+        let mut format = JsonArrow::avro(schema, registry);
+        if s.strict {
+            format = format.strict();
+        }
+        return Ok(format);
+    }
+    if s.registry.is_some() {
+        return Err(err("source.registry", "only with format = \"avro\""));
     }
     if s.fields.is_empty() {
         return Err(err(
@@ -214,21 +274,7 @@ fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
             "expected at least one [[source.fields]]",
         ));
     }
-    let mut fields = Vec::with_capacity(s.fields.len());
-    for (i, f) in s.fields.iter().enumerate() {
-        if f.name.is_empty() {
-            return Err(err(&format!("source.fields[{i}].name"), "expected a name"));
-        }
-        if fields.iter().any(|g: &Field| g.name() == &f.name) {
-            return Err(err(
-                &format!("source.fields[{i}].name"),
-                format!("`{}` is declared twice", f.name),
-            ));
-        }
-        let ty = arrow_type(&format!("source.fields[{i}].type"), &f.ty)?;
-        fields.push(Field::new(&f.name, ty, !f.required));
-    }
-    let mut format = JsonArrow::new(Arc::new(Schema::new(fields)));
+    let mut format = JsonArrow::new(Arc::new(Schema::new(declared_fields(s, false)?)));
     if s.strict {
         format = format.strict();
     }
@@ -245,6 +291,107 @@ fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
         format = format.coerce(c);
     }
     Ok(format)
+}
+
+/// The `[[source.fields]]` as Arrow fields.
+fn declared_fields(s: &SourceSection, avro: bool) -> Result<Vec<Field>, JobFileError> {
+    let mut fields = Vec::with_capacity(s.fields.len());
+    for (i, f) in s.fields.iter().enumerate() {
+        if f.name.is_empty() {
+            return Err(err(&format!("source.fields[{i}].name"), "expected a name"));
+        }
+        if fields.iter().any(|g: &Field| g.name() == &f.name) {
+            return Err(err(
+                &format!("source.fields[{i}].name"),
+                format!("`{}` is declared twice", f.name),
+            ));
+        }
+        let ty = arrow_type(&format!("source.fields[{i}].type"), &f.ty, avro)?;
+        fields.push(Field::new(&f.name, ty, !f.required));
+    }
+    Ok(fields)
+}
+
+/// `[source.registry]` as the client's settings.
+fn registry_config(
+    s: &SourceSection,
+) -> Result<tinyflow_connectors_kafka::registry::RegistryConfig, JobFileError> {
+    let Some(r) = &s.registry else {
+        return Err(err(
+            "source.registry",
+            "format = \"avro\" needs [source.registry] with its url",
+        ));
+    };
+    let mut c = tinyflow_connectors_kafka::registry::RegistryConfig::new(r.url.trim());
+    match (&r.username, &r.password) {
+        (Some(u), Some(p)) => c = c.basic_auth(u, p),
+        (None, None) => {}
+        _ => {
+            return Err(err(
+                "source.registry",
+                "username and password go together (HTTP basic authentication)",
+            ));
+        }
+    }
+    if let Some(ca) = &r.ca_location {
+        c = c.ca_location(ca);
+    }
+    if let Some(t) = &r.timeout {
+        c.timeout = duration("source.registry.timeout", t)?;
+    }
+    // The settings alone (URL, CA file), without a connection.
+    tinyflow_connectors_kafka::registry::Registry::new(c.clone())
+        .map_err(|e| err("source.registry", e.to_string()))?;
+    Ok(c)
+}
+
+/// The subject whose latest schema makes the columns.
+fn subject_of(s: &SourceSection) -> Result<String, JobFileError> {
+    use tinyflow_connectors_kafka::registry::SubjectStrategy;
+    let strategy = match s
+        .registry
+        .as_ref()
+        .and_then(|r| r.subject.as_deref())
+        .map(str::trim)
+    {
+        None | Some("topic") => SubjectStrategy::Topic,
+        Some(other) => match other.split_once(':') {
+            Some(("record", r)) if !r.trim().is_empty() => {
+                SubjectStrategy::Record(r.trim().to_owned())
+            }
+            Some(("topic-record", r)) if !r.trim().is_empty() => {
+                SubjectStrategy::TopicRecord(r.trim().to_owned())
+            }
+            _ => {
+                return Err(err(
+                    "source.registry.subject",
+                    format!(
+                        "`{other}`: expected topic, record:<full record name> or topic-record:<full record name>"
+                    ),
+                ));
+            }
+        },
+    };
+    let topic = s.topics.first().ok_or_else(|| {
+        err(
+            "source.topics",
+            "expected at least one non-empty topic name",
+        )
+    })?;
+    Ok(strategy.subject(topic))
+}
+
+/// The columns of a table for values of the registry's schema (decoded
+/// by arrow-avro into `decoded`): enums and UUIDs as strings, fixed as
+/// binary, timestamps in microseconds, lists and maps named as Iceberg
+/// names them.
+fn table_schema(decoded: &SchemaRef) -> Result<SchemaRef, String> {
+    let mut fields = Vec::with_capacity(decoded.fields().len());
+    for f in decoded.fields() {
+        let ty = column_type(f)?;
+        fields.push(Field::new(f.name(), arrow_of(&ty, true)?, f.is_nullable()));
+    }
+    Ok(Arc::new(Schema::new(fields)))
 }
 
 /// A `{ column, type }` at `key` (the column named `default` unless given).
@@ -507,6 +654,53 @@ fn restart(r: &RestartSection) -> Result<RestartStrategy, JobFileError> {
 }
 
 impl JobFile {
+    /// With `format = "avro"` and no `[[source.fields]]`, fetches the latest
+    /// schema of the source's subject from the registry, whose fields
+    /// become the columns ([`plan`](Self::plan) needs it then); otherwise
+    /// nothing. A registry that does not answer is an error that may pass
+    /// (exit 1); a subject it does not have, refused credentials or a
+    /// schema without Iceberg types are the job file's (exit 2).
+    pub async fn resolve_schema(mut self) -> anyhow::Result<JobFile> {
+        let s = &self.source;
+        if s.format.as_deref().map(str::trim) != Some("avro") || !s.fields.is_empty() {
+            return Ok(self);
+        }
+        let registry = tinyflow_connectors_kafka::registry::Registry::new(registry_config(s)?)
+            .map_err(|e| err("source.registry", e.to_string()))?;
+        let subject = subject_of(s)?;
+        let latest = match registry.latest(&subject).await {
+            Ok(l) => l,
+            Err(e) if e.is_transient() => return Err(anyhow::Error::new(e)),
+            Err(e) => {
+                return Err(err(
+                    "source.registry",
+                    format!("the columns come from the latest schema of subject {subject:?} (no [[source.fields]]): {e}"),
+                )
+                .into());
+            }
+        };
+        if latest.schema_type != "AVRO" {
+            return Err(err(
+                "source.registry",
+                format!(
+                    "the latest schema of subject {subject:?} (id {}) is {}, not Avro",
+                    latest.id, latest.schema_type
+                ),
+            )
+            .into());
+        }
+        let decoded =
+            tinyflow_connectors_kafka::avro_arrow_schema(&latest.schema).map_err(|m| {
+                err(
+                    "source.registry",
+                    format!("subject {subject:?}, schema id {}: {m}", latest.id),
+                )
+            })?;
+        tracing::info!(subject = %subject, schema_id = latest.id, registry = %registry.url(), "the columns are the fields of the subject's latest schema");
+        self.source.registry_schema = Some(decoded);
+        Ok(self)
+    }
+
     /// Checks everything that does not need a connection and builds the job
     /// graph: the schema, event time, transforms against the schema, the
     /// table spec, durations, the metrics address.

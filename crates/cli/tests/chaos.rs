@@ -46,6 +46,9 @@ use tinyflow_connectors_kafka::testing::{create_topic, produce_stream};
 use tinyflow_tests::SplitMix64;
 use tinyflow_tests::broker::OwnBroker;
 
+#[path = "chaos/avro.rs"]
+mod avro;
+
 const TOPIC: &str = "chaos-bids";
 const PARTITIONS: i32 = 4;
 

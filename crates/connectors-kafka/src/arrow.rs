@@ -132,12 +132,16 @@ impl BytesAs {
 }
 
 /// What a record's value is decoded as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Value {
     /// A JSON object, into the declared columns.
     Json,
     /// The bytes as they are, in one column (null for a tombstone).
     Raw(BytesAs),
+    /// Avro in the Confluent wire format, writer schemas from this
+    /// registry, into the declared columns.
+    #[cfg(feature = "avro")]
+    Avro(crate::registry::RegistryConfig),
 }
 
 /// A header taken into a column.
@@ -194,6 +198,23 @@ impl JsonArrow {
                 ty.data_type(),
                 true,
             )])))
+        }
+    }
+
+    /// Avro values in the Confluent wire format (a zero byte, the writer
+    /// schema's id, the datum), decoded with their writer schema (fetched
+    /// from `registry` by id, once) into `schema`'s columns by name: a
+    /// column the writer lacks is null (a required one makes the record
+    /// bad), a field the schema lacks is ignored (bad under
+    /// [`strict`](Self::strict)), and a value converts only without loss
+    /// (int to long or double, float to double, a timestamp to a finer
+    /// unit, a decimal to a greater precision, an enum or a UUID to a
+    /// string, fixed to binary). Feature `avro`.
+    #[cfg(feature = "avro")]
+    pub fn avro(schema: SchemaRef, registry: crate::registry::RegistryConfig) -> Self {
+        JsonArrow {
+            value: Value::Avro(registry),
+            ..JsonArrow::new(schema)
         }
     }
 
@@ -409,10 +430,24 @@ impl KafkaArrowSource {
                 ),
             });
         }
-        self.format.decoder(1).map_err(|e| StreamError::Config {
-            key: "source.schema",
-            message: format!("the JSON decoder rejects the declared schema: {e}"),
-        })?;
+        match &self.format.value {
+            Value::Json => {
+                self.format.decoder(1).map_err(|e| StreamError::Config {
+                    key: "source.schema",
+                    message: format!("the JSON decoder rejects the declared schema: {e}"),
+                })?;
+            }
+            Value::Raw(_) => {}
+            #[cfg(feature = "avro")]
+            Value::Avro(registry) => {
+                crate::registry::Registry::new(registry.clone()).map_err(|e| {
+                    StreamError::Config {
+                        key: "source.registry",
+                        message: e.to_string(),
+                    }
+                })?;
+            }
+        }
         if let Some(EventTime {
             from: TimeFrom::Column(c),
             ..
@@ -463,6 +498,21 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
             payloads: JsonArrowDecoder::with_limits(&self.format, self.config.limits()),
             output: self.format.output_schema(),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
+            #[cfg(feature = "avro")]
+            avro: match &self.format.value {
+                Value::Avro(registry) => Some(crate::avro::AvroValues::new(
+                    crate::registry::Registry::new(registry.clone()).map_err(|e| {
+                        StreamError::Config {
+                            key: "source.registry",
+                            message: e.to_string(),
+                        }
+                    })?,
+                    Arc::clone(&self.format.schema),
+                    self.format.strict,
+                    ctx.name.clone(),
+                )),
+                _ => None,
+            },
         };
         open(
             &self.config,
@@ -641,6 +691,9 @@ struct ArrowDecoder {
     payloads: JsonArrowDecoder,
     output: SchemaRef,
     from: Option<TimeFrom<RecordBatch>>,
+    /// The Avro decoder, for Avro values.
+    #[cfg(feature = "avro")]
+    avro: Option<crate::avro::AvroValues>,
 }
 
 /// The value of `msg`'s last header named `name`, if it has one with a
@@ -784,8 +837,24 @@ fn times(column: &dyn Array) -> Vec<Option<i64>> {
     }
 }
 
+#[async_trait::async_trait]
 impl Decode for ArrowDecoder {
     type Out = RecordBatch;
+
+    #[cfg(feature = "avro")]
+    fn must_wait(&mut self, msg: &rdkafka::message::BorrowedMessage<'_>) -> bool {
+        self.avro
+            .as_mut()
+            .is_some_and(|a| a.must_wait(msg.payload()))
+    }
+
+    #[cfg(feature = "avro")]
+    async fn ready(&mut self, max: std::time::Duration) -> StreamResult<bool> {
+        match self.avro.as_mut() {
+            Some(a) => a.ready(max).await,
+            None => Ok(true),
+        }
+    }
 
     fn decode(
         &mut self,
@@ -797,7 +866,7 @@ impl Decode for ArrowDecoder {
             .iter()
             .map(|p| self.check_key_and_headers(p))
             .collect();
-        let batch = match self.payloads.format.value {
+        let batch = match &self.payloads.format.value {
             Value::Json => {
                 let payloads: Vec<&[u8]> = polled
                     .iter()
@@ -806,8 +875,34 @@ impl Decode for ArrowDecoder {
                 self.payloads.decode_batch_after(&payloads, known)
             }
             Value::Raw(ty) => {
+                let ty = *ty;
                 self.payloads.bad = known;
                 self.raw_batch(polled, ty)
+            }
+            #[cfg(feature = "avro")]
+            Value::Avro(_) => {
+                let mut bad = known;
+                let limits = self.payloads.limits;
+                let payloads: Vec<Option<&[u8]>> = polled
+                    .iter()
+                    .zip(bad.iter_mut())
+                    .map(|(p, b)| {
+                        let value = p.msg.payload();
+                        if b.is_none()
+                            && let Some(Err(too_large)) = value.map(|v| limits.check_size(v))
+                        {
+                            *b = Some(too_large);
+                        }
+                        value
+                    })
+                    .collect();
+                let batch = self
+                    .avro
+                    .as_mut()
+                    .expect("made at create for Avro values")
+                    .decode(&payloads, &mut bad);
+                self.payloads.bad = bad;
+                batch
             }
         };
         let good: Vec<&Polled<'_>> = polled

@@ -31,8 +31,11 @@ pub enum BadReason {
     TooLarge,
     /// Nested deeper than the configured maximum.
     TooDeep,
-    /// A [`Format`](crate::Format)'s decode function refused it.
+    /// A [`Format`](crate::Format)'s decode function refused it, or an Avro
+    /// value is not a datum of its writer schema.
     Undecodable,
+    /// Its writer schema's id is not in the schema registry.
+    UnknownSchema,
 }
 
 impl BadReason {
@@ -45,6 +48,7 @@ impl BadReason {
             BadReason::TooLarge => "too_large",
             BadReason::TooDeep => "too_deep",
             BadReason::Undecodable => "undecodable",
+            BadReason::UnknownSchema => "unknown_schema",
         }
     }
 }
@@ -85,6 +89,7 @@ impl std::fmt::Display for BadRecord {
             BadReason::TooLarge => "record too large",
             BadReason::TooDeep => "nested too deep",
             BadReason::Undecodable => "undecodable",
+            BadReason::UnknownSchema => "unknown_schema",
         };
         write!(f, "{what}: {}", self.detail)
     }

@@ -25,11 +25,17 @@
 
 #[cfg(feature = "arrow")]
 mod arrow;
+#[cfg(feature = "avro")]
+mod avro;
 mod bad_record;
 mod config;
+#[cfg(feature = "avro")]
+mod conform;
 mod dead_letter;
 #[cfg(feature = "embedded")]
 mod embedded;
+#[cfg(feature = "avro")]
+pub mod registry;
 mod scan;
 mod source;
 mod state;
@@ -40,6 +46,8 @@ pub mod testing;
 pub use arrow::{
     BytesAs, Coercion, JsonArrow, JsonArrowDecoder, KafkaArrowSource, METADATA_COLUMNS,
 };
+#[cfg(feature = "avro")]
+pub use avro::arrow_schema_of as avro_arrow_schema;
 pub use bad_record::BadReason;
 pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,

@@ -630,8 +630,22 @@ pub(crate) struct Polled<'c> {
 pub(crate) type Outcome = Result<Option<i64>, BadRecord>;
 
 /// Turns the records of one poll into output items.
+#[async_trait::async_trait]
 pub(crate) trait Decode: Send + 'static {
     type Out: tinyflow_api::Data;
+
+    /// Whether `msg` cannot be decoded until something the decoder fetches
+    /// has come (an Avro writer schema): the source then reads its
+    /// partition again from it, once [`ready`](Self::ready).
+    fn must_wait(&mut self, _msg: &BorrowedMessage<'_>) -> bool {
+        false
+    }
+
+    /// Waits up to `max` for what records wait for; `Ok(true)` when
+    /// nothing is awaited any more. Cancel safe.
+    async fn ready(&mut self, _max: Duration) -> StreamResult<bool> {
+        Ok(true)
+    }
 
     /// Decodes `polled`, appending items to `out` and one outcome per
     /// polled record to `outcomes` (cleared by the caller).
@@ -1090,6 +1104,52 @@ impl<D> Reader<D> {
 /// for its consumer-group commits.
 const MAX_TAKEN: usize = 64;
 
+/// Takes out of `polled` the records `decoder` cannot decode yet (see
+/// [`Decode::must_wait`]) and every later one of their partitions, and
+/// sends those partitions back to the first of them (`positions` and the
+/// consumer), so they are read again once the decoder is ready. A seek
+/// drops what the consumer fetched before it.
+fn defer_waiting<D: Decode>(
+    consumer: &KafkaConsumer,
+    decoder: &mut D,
+    positions: &mut BTreeMap<Partition, i64>,
+    name: &str,
+    polled: &mut Vec<Polled<'_>>,
+) -> StreamResult<()> {
+    let mut from: BTreeMap<Partition, i64> = BTreeMap::new();
+    polled.retain(|p| {
+        let partition = (Arc::clone(&p.topic), p.msg.partition());
+        if from.contains_key(&partition) {
+            return false;
+        }
+        if decoder.must_wait(&p.msg) {
+            from.insert(partition, p.msg.offset());
+            return false;
+        }
+        true
+    });
+    for ((topic, partition), offset) in from {
+        consumer
+            .seek(&topic, partition, Offset::Offset(offset), SEEK_TIMEOUT)
+            .map_err(|e| {
+                external(
+                    name,
+                    format!(
+                        "reading {topic}/{partition} again from offset {offset}, while its schema is fetched"
+                    ),
+                    e,
+                    true,
+                )
+            })?;
+        tracing::debug!(source = %name, topic = %topic, partition, offset, "waiting for a schema; the partition is read again from here");
+        positions.insert((topic, partition), offset);
+    }
+    Ok(())
+}
+
+/// How long a seek may take.
+const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long an idle source waits for records at most before returning an
 /// empty batch (so the runtime can check idleness and event time).
 const IDLE_WAIT: Duration = Duration::from_millis(20);
@@ -1126,6 +1186,11 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
         }
         // After a restore, the dead-letter topic is read back first.
         if !self.bad.ready().await? {
+            return Ok(Some(Vec::new()));
+        }
+        // Records wait for a schema being fetched: nothing is read until
+        // it has come (their partitions were sent back to them).
+        if !self.decoder.ready(IDLE_WAIT).await? {
             return Ok(Some(Vec::new()));
         }
         let mut polled = Vec::with_capacity(self.batch_size.min(4096));
@@ -1174,6 +1239,13 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
                 msg,
             });
         }
+        defer_waiting(
+            &self.consumer,
+            &mut self.decoder,
+            &mut self.positions,
+            &self.bad.name,
+            &mut polled,
+        )?;
         self.read.increment(polled.len() as u64);
         let mut out = Vec::new();
         self.outcomes.clear();

@@ -1,0 +1,329 @@
+//! Avro topics through the product: records written by Confluent's own
+//! serializer (confluent-kafka's `AvroSerializer`) against a schema
+//! registry, read by `tinyflow run` into Iceberg, read back by pyiceberg.
+
+use super::*;
+use tinyflow_tests::registry::{SchemaRegistry, produce_avro, spawn_produce_avro};
+
+/// An order with a nested record (itself holding an optional record), a
+/// list of records, a map, an enum, a decimal, a UUID, a timestamp, a date,
+/// bytes and an optional string.
+fn order_schema() -> serde_json::Value {
+    json!({
+        "type": "record", "name": "Order", "namespace": "shop",
+        "fields": [
+            {"name": "id", "type": "long"},
+            {"name": "buyer", "type": {"type": "record", "name": "Buyer", "fields": [
+                {"name": "name", "type": "string"},
+                {"name": "address", "type": ["null", {"type": "record", "name": "Address", "fields": [
+                    {"name": "city", "type": "string"},
+                    {"name": "zip", "type": ["null", "string"], "default": null}
+                ]}], "default": null}
+            ]}},
+            {"name": "items", "type": {"type": "array", "items": {"type": "record", "name": "Item", "fields": [
+                {"name": "sku", "type": "string"},
+                {"name": "qty", "type": "int"}
+            ]}}},
+            {"name": "tags", "type": {"type": "map", "values": "long"}},
+            {"name": "status", "type": {"type": "enum", "name": "Status", "symbols": ["NEW", "PAID", "SHIPPED"]}},
+            {"name": "price", "type": {"type": "bytes", "logicalType": "decimal", "precision": 10, "scale": 2}},
+            {"name": "ref", "type": {"type": "string", "logicalType": "uuid"}},
+            {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+            {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+            {"name": "blob", "type": "bytes"},
+            {"name": "note", "type": ["null", "string"], "default": null}
+        ]
+    })
+}
+
+const ORDER_COLUMNS: [&str; 11] = [
+    "id", "buyer", "items", "tags", "status", "price", "ref", "at", "day", "blob", "note",
+];
+
+/// Order `i` as the producer takes it, and its row as pyiceberg reads it.
+fn order(i: u64) -> (serde_json::Value, Vec<serde_json::Value>) {
+    let address = (!i.is_multiple_of(3)).then(|| {
+        json!({"city": format!("city {}", i % 7), "zip": (i.is_multiple_of(2)).then(|| format!("{:05}", i))})
+    });
+    let buyer = json!({"name": format!("buyer {i}"), "address": address});
+    let items: Vec<serde_json::Value> = (0..i % 4)
+        .map(|k| json!({"sku": format!("sku-{i}-{k}"), "qty": k as i64 - 1}))
+        .collect();
+    let tags: Vec<(String, i64)> = (0..i % 3)
+        .map(|k| (format!("t{k}"), (i * 10 + k) as i64))
+        .collect();
+    let status = ["NEW", "PAID", "SHIPPED"][(i % 3) as usize];
+    let price = format!("{}.{:02}", i * 3, i % 100);
+    let reference = format!("123e4567-e89b-12d3-a456-{:012x}", i);
+    let at_ms = 1_700_000_000_000i64 + i as i64 * 1_001;
+    let day = 19_700 + (i % 30) as i64;
+    let blob = format!("{:02x}ff00", i % 256);
+    let note = (i.is_multiple_of(5)).then(|| format!("note {i}"));
+    let value = json!({
+        "id": i, "buyer": buyer, "items": items,
+        "tags": tags.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "status": status, "price": {"$decimal": price}, "ref": reference,
+        "at": at_ms, "day": day, "blob": {"$bytes": blob}, "note": note,
+    });
+    let at = chrono_like(at_ms);
+    let read = vec![
+        json!(i),
+        buyer,
+        json!(items),
+        json!(tags.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>()),
+        json!(status),
+        json!(price),
+        json!(reference),
+        json!(at),
+        json!(date_of(day)),
+        json!(blob),
+        json!(note),
+    ];
+    (value, read)
+}
+
+/// `ms` since the epoch as Python's `datetime.isoformat()` writes a UTC
+/// timestamp.
+fn chrono_like(ms: i64) -> String {
+    let (days, rest) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000));
+    let (h, m, s, milli) = (
+        rest / 3_600_000,
+        rest / 60_000 % 60,
+        rest / 1000 % 60,
+        rest % 1000,
+    );
+    // isoformat() leaves out a zero fraction.
+    let fraction = if milli == 0 {
+        String::new()
+    } else {
+        format!(".{:06}", milli * 1000)
+    };
+    format!("{}T{h:02}:{m:02}:{s:02}{fraction}+00:00", date_of(days))
+}
+
+/// Days since the epoch as `YYYY-MM-DD` (proleptic Gregorian).
+fn date_of(days: i64) -> String {
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn produce_orders(bootstrap: &str, topic: &str, registry: &str, ids: std::ops::Range<u64>) {
+    let mut lines = vec![json!({"avro": order_schema()})];
+    lines.extend(ids.map(|i| json!({"value": order(i).0, "partition": i % PARTITIONS as u64})));
+    produce_avro(bootstrap, topic, registry, &lines, &[]);
+}
+
+/// A bounded job of an Avro topic whose columns come from the registry
+/// (no `[[source.fields]]`): nested records, a list of records, a map, an
+/// enum, a decimal, a UUID, a timestamp, a date and bytes become Iceberg
+/// columns and pyiceberg reads every row back value for value. A value not
+/// in the wire format and one whose schema id the registry does not know
+/// are bad records (skipped here) that take no good record with them; a
+/// second run appends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_avro_job_reads_nested_records_value_for_value_with_columns_from_the_registry() {
+    let registry = SchemaRegistry::start();
+    let (bootstrap, topic) = new_topic("avro-orders").await;
+    produce_orders(&bootstrap, &topic, &registry.url(), 0..200);
+    // Bad: JSON, and the wire format with an id the registry never gave.
+    produce_avro(
+        &bootstrap,
+        &topic,
+        &registry.url(),
+        &[
+            json!({"raw": hex(br#"{"id": 1}"#), "partition": 0}),
+            json!({"raw": "00000003e7020406", "partition": 1}),
+        ],
+        &[],
+    );
+    produce_orders(&bootstrap, &topic, &registry.url(), 200..300);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let source = format!(
+        r#"bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+format = "avro"
+bad_records = "skip"
+registry = {{ url = "{}" }}"#,
+        registry.url()
+    );
+    let job = bounded_job(&dir, "avro-orders", &source, "shop", "orders");
+    Run::start(&job, &dir, 0).exits_0_within_120_s("a bounded Avro job still ran after 120 s");
+    let log = std::fs::read_to_string(dir.join("run-0.log")).unwrap();
+    assert!(
+        log.contains("unknown_schema=1") && log.contains("undecodable=1"),
+        "the two bad records are not counted: {log}"
+    );
+    produce_orders(&bootstrap, &topic, &registry.url(), 300..400);
+    Run::start(&job, &dir, 1).exits_0_within_120_s("the second run still ran after 120 s");
+    let mut got = tinyflow_tests::pyiceberg_rows(&dir, "shop.orders", &ORDER_COLUMNS);
+    got.sort_by_key(|r| r[0].as_u64().unwrap());
+    assert_eq!(got.len(), 400, "rows");
+    for (i, row) in got.iter().enumerate() {
+        assert_eq!(row, &order(i as u64).1, "row {i}");
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The order schema with one more optional field: what a producer
+/// evolving its records registers next (a new id).
+fn order_schema_v2() -> serde_json::Value {
+    let mut s = order_schema();
+    s["fields"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "coupon", "type": ["null", "string"], "default": null}));
+    s
+}
+
+/// A job file of an Avro topic reading columns `id`, `buyer`, `status` and
+/// `note` of the orders, by name.
+fn orders_job(dir: &Path, bootstrap: &str, topic: &str, registry: &str, bounded: bool) -> PathBuf {
+    let job = dir.join(if bounded {
+        "bounded.toml"
+    } else {
+        "unbounded.toml"
+    });
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+name = "avro-outage"
+parallelism = 2
+
+[source]
+bounded = {bounded}
+bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+format = "avro"
+registry = {{ url = "{registry}", timeout = "2s" }}
+fields = [
+  {{ name = "id", type = "long", required = true }},
+  {{ name = "buyer", type = "struct<name: string not null>" }},
+  {{ name = "status", type = "string" }},
+  {{ name = "note", type = "string" }},
+]
+
+[sink]
+namespace = "shop"
+table = "orders"
+catalog = {{ type = "sqlite", dir = "{dir}" }}
+
+[checkpoint]
+interval = "300ms"
+dir = "{dir}/checkpoints"
+"#,
+            dir = dir.display()
+        ),
+    )
+    .unwrap();
+    job
+}
+
+/// The registry goes down while a job runs, just before records of a new
+/// writer schema arrive (a transaction committed only once the registry is
+/// stopped): the job says the registry does not answer and waits, reading
+/// nothing of those partitions; killed with SIGKILL while it waits and
+/// started again, it waits again; once the registry is back it says so and
+/// goes on. Every record lands once, the new schema's too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_outage_holds_new_schemas_records_back_until_it_is_back_each_record_once() {
+    let mut registry = SchemaRegistry::start();
+    let (bootstrap, topic) = new_topic("avro-outage").await;
+    produce_orders(&bootstrap, &topic, &registry.url(), 0..500);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = orders_job(&dir, &bootstrap, &topic, &registry.url(), false);
+    let mut run = Run::start(&job, &dir, 0);
+    assert!(
+        run.wait_for("fetched a writer schema", Duration::from_secs(60)),
+        "the job did not fetch the first schema"
+    );
+
+    // Records of a second schema, registered while the registry is up and
+    // made visible only after it is stopped.
+    let release = dir.join("release");
+    let mut lines = vec![json!({"avro": order_schema_v2()}), json!({"begin": true})];
+    lines.extend((500..1000u64).map(|i| {
+        let mut v = order(i).0;
+        v["coupon"] = json!(format!("c{i}"));
+        json!({"value": v, "partition": i % PARTITIONS as u64})
+    }));
+    lines.push(json!({"wait_for_file": release.to_str().unwrap()}));
+    lines.push(json!({"commit": true}));
+    let producing = spawn_produce_avro(
+        &bootstrap,
+        &topic,
+        &registry.url(),
+        &lines,
+        &[("TINYFLOW_TRANSACTIONAL_ID", &format!("{topic}-tx"))],
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while registry.schema_count() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the producer did not register its schema"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    registry.stop();
+    std::fs::write(&release, b"").unwrap();
+    assert_eq!(producing.finish(), 500);
+
+    assert!(
+        run.wait_for(
+            "the schema registry does not answer",
+            Duration::from_secs(60)
+        ),
+        "the job did not report the registry outage"
+    );
+    run.assert_alive();
+    run.kill();
+    // Started again while the registry is still down: it waits again.
+    let mut run = Run::start(&job, &dir, 1);
+    assert!(
+        run.wait_for(
+            "the schema registry does not answer",
+            Duration::from_secs(60)
+        ),
+        "the restarted job did not report the registry outage"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    run.assert_alive();
+    registry.restart();
+    assert!(
+        run.wait_for("the schema registry answers again", Duration::from_secs(60)),
+        "the job did not notice the registry is back"
+    );
+    run.stop();
+    // To the end of the topic, from the checkpoint.
+    let bounded = orders_job(&dir, &bootstrap, &topic, &registry.url(), true);
+    Run::start(&bounded, &dir, 2).exits_0_within_120_s("the bounded run still ran after 120 s");
+
+    let mut got =
+        tinyflow_tests::pyiceberg_rows(&dir, "shop.orders", &["id", "buyer", "status", "note"]);
+    got.sort_by_key(|r| r[0].as_u64().unwrap());
+    assert_eq!(got.len(), 1000, "rows");
+    for (i, row) in got.iter().enumerate() {
+        let full = order(i as u64).1;
+        let buyer = json!({"name": full[1]["name"]});
+        assert_eq!(
+            row,
+            &vec![full[0].clone(), buyer, full[4].clone(), full[10].clone()],
+            "row {i}"
+        );
+    }
+}

@@ -1,0 +1,593 @@
+//! Avro values in the Confluent wire format (a zero byte, the writer
+//! schema's registry id in 4 big-endian bytes, the Avro binary datum),
+//! decoded straight into Arrow by arrow-avro with the writer's own schema,
+//! then made into the table's columns ([`conform`](crate::conform)).
+//!
+//! Writer schemas are fetched from the registry by id the first time an id
+//! is seen, in the background, and kept for the life of the source: a
+//! registry outage stops nothing that has seen its schemas. A record whose
+//! schema is still being fetched is not decoded: the source reads its
+//! partition again from that record once the schema is there (see
+//! `Reader::defer`), so nothing is lost or skipped while the registry is
+//! down. An id the registry does not have is a bad record.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use arrow_avro::reader::{Decoder, ReaderBuilder};
+use arrow_avro::schema::{AvroSchema, Fingerprint, FingerprintAlgorithm, SchemaStore};
+use arrow_schema::SchemaRef;
+use tinyflow_api::{StreamError, StreamResult};
+use tokio::task::JoinHandle;
+
+use crate::bad_record::{BadReason, BadRecord};
+use crate::registry::{Registry, RegistryError};
+
+/// The wire format's first byte.
+const MAGIC: u8 = 0;
+/// The magic byte and the schema id.
+const PREFIX: usize = 5;
+
+/// The first retry's pause after a registry failure; doubled up to
+/// [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(100);
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
+
+/// The writer schema id of a payload in the wire format.
+pub(crate) fn schema_id(payload: &[u8]) -> Option<u32> {
+    match payload {
+        [MAGIC, a, b, c, d, ..] => Some(u32::from_be_bytes([*a, *b, *c, *d])),
+        _ => None,
+    }
+}
+
+/// The Arrow schema arrow-avro decodes values of this Avro schema into.
+pub fn arrow_schema_of(avro: &str) -> Result<SchemaRef, String> {
+    Ok(decoder_for(0, avro, 1)?.schema())
+}
+
+/// A decoder of wire-format payloads written with `avro` (id `id`).
+fn decoder_for(id: u32, avro: &str, rows: usize) -> Result<Decoder, String> {
+    let mut store = SchemaStore::new_with_type(FingerprintAlgorithm::Id);
+    store
+        .set(Fingerprint::Id(id), AvroSchema::new(avro.to_owned()))
+        .map_err(|e| format!("the registry's schema is not Avro arrow-avro reads: {e}"))?;
+    ReaderBuilder::new()
+        .with_writer_schema_store(store)
+        .with_active_fingerprint(Fingerprint::Id(id))
+        .with_batch_size(rows)
+        .build_decoder()
+        .map_err(|e| format!("the registry's schema is not Avro arrow-avro reads: {e}"))
+}
+
+/// A writer schema, as far as it is known.
+enum Writer {
+    /// Decodable: its text and the decoder of this poll's records.
+    Ready { avro: String, decoder: Box<Decoder> },
+    /// Every record written with it is bad, for this reason.
+    Bad(BadRecord),
+}
+
+/// One writer schema's share of a poll: batches decoded so far, each with
+/// the positions (in the poll) of its rows.
+#[derive(Default)]
+struct Share {
+    done: Vec<(RecordBatch, Vec<usize>)>,
+    /// Positions of the rows in the decoder now, not yet flushed.
+    open: Vec<usize>,
+}
+
+type Fetched = Vec<(
+    u32,
+    Result<crate::registry::RegisteredSchema, RegistryError>,
+)>;
+
+/// Decodes polls of wire-format Avro payloads into batches of a table's
+/// schema.
+pub(crate) struct AvroValues {
+    registry: Registry,
+    target: SchemaRef,
+    strict: bool,
+    /// The source's name, for logs.
+    name: String,
+    writers: HashMap<u32, Writer>,
+    /// Ids seen but not yet fetched (or being fetched).
+    wanted: BTreeSet<u32>,
+    fetch: Option<JoinHandle<Result<Fetched, RegistryError>>>,
+    /// Rows each decoder takes before a flush.
+    rows: usize,
+}
+
+impl std::fmt::Debug for AvroValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AvroValues")
+            .field("registry", &self.registry.url())
+            .field("writers", &self.writers.len())
+            .field("wanted", &self.wanted)
+            .finish()
+    }
+}
+
+impl AvroValues {
+    pub(crate) fn new(registry: Registry, target: SchemaRef, strict: bool, name: String) -> Self {
+        AvroValues {
+            registry,
+            target,
+            strict,
+            name,
+            writers: HashMap::new(),
+            wanted: BTreeSet::new(),
+            fetch: None,
+            rows: 1024,
+        }
+    }
+
+    /// Whether a record with this payload must wait for its writer schema
+    /// (which this starts fetching).
+    pub(crate) fn must_wait(&mut self, payload: Option<&[u8]>) -> bool {
+        let Some(id) = payload.and_then(schema_id) else {
+            return false; // not the wire format: bad, decoded now
+        };
+        if self.writers.contains_key(&id) {
+            return false;
+        }
+        self.wanted.insert(id);
+        true
+    }
+
+    /// Waits up to `max` for the schemas being fetched; `Ok(true)` when
+    /// none is missing any more. A registry that refuses the credentials
+    /// fails the source.
+    pub(crate) async fn ready(&mut self, max: Duration) -> StreamResult<bool> {
+        if self.fetch.is_none() {
+            if self.wanted.is_empty() {
+                return Ok(true);
+            }
+            self.fetch = Some(self.spawn_fetch());
+        }
+        let Some(handle) = self.fetch.as_mut() else {
+            return Ok(true);
+        };
+        // Cancel safe: the handle stays, the fetch goes on.
+        let Ok(joined) = tokio::time::timeout(max, handle).await else {
+            return Ok(false);
+        };
+        self.fetch = None;
+        let fetched = joined
+            .map_err(|e| self.error(format!("the schema fetch task failed: {e}"), false))?
+            .map_err(|e| self.error(e.to_string(), e.is_transient()))?;
+        for (id, answer) in fetched {
+            self.wanted.remove(&id);
+            let writer = match answer {
+                Ok(s) if s.schema_type != "AVRO" => Writer::Bad(BadRecord::new(
+                    BadReason::SchemaMismatch,
+                    format!("schema id {id} is a {} schema, not Avro", s.schema_type),
+                )),
+                Ok(s) if s.has_references => Writer::Bad(BadRecord::new(
+                    BadReason::SchemaMismatch,
+                    format!("schema id {id} refers to other schemas, which is not supported yet"),
+                )),
+                Ok(s) => match decoder_for(id, &s.schema, self.rows) {
+                    Ok(decoder) => {
+                        tracing::info!(source = %self.name, schema_id = id, registry = %self.registry.url(), "fetched a writer schema");
+                        Writer::Ready {
+                            avro: s.schema,
+                            decoder: Box::new(decoder),
+                        }
+                    }
+                    Err(e) => Writer::Bad(BadRecord::new(
+                        BadReason::SchemaMismatch,
+                        format!("schema id {id}: {e}"),
+                    )),
+                },
+                Err(e) => Writer::Bad(BadRecord::new(
+                    BadReason::UnknownSchema,
+                    format!("schema id {id}: {e}"),
+                )),
+            };
+            self.writers.insert(id, writer);
+        }
+        Ok(self.wanted.is_empty())
+    }
+
+    fn error(&self, message: String, retryable: bool) -> StreamError {
+        StreamError::External {
+            operator: self.name.clone(),
+            system: "schema registry",
+            action: "fetching writer schemas".to_owned(),
+            message,
+            retryable,
+        }
+    }
+
+    /// Fetches every wanted id, retrying while the registry is unreachable
+    /// (with a warning at the first failure and at powers of two); ends
+    /// with an error only for refused credentials or requests.
+    fn spawn_fetch(&self) -> JoinHandle<Result<Fetched, RegistryError>> {
+        let registry = self.registry.clone();
+        let ids: Vec<u32> = self.wanted.iter().copied().collect();
+        let name = self.name.clone();
+        tokio::spawn(async move {
+            let mut out = Vec::with_capacity(ids.len());
+            for id in ids {
+                let mut failures: u32 = 0;
+                let mut pause = FIRST_RETRY_PAUSE;
+                loop {
+                    match registry.schema_by_id(id).await {
+                        Err(e) if e.is_transient() => {
+                            failures += 1;
+                            if failures.is_power_of_two() {
+                                tracing::warn!(source = %name, schema_id = id, failures, error = %e, "the schema registry does not answer; records written with this schema wait, and are read once it answers");
+                            }
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                        }
+                        Err(e @ RegistryError::NotFound { .. }) => {
+                            out.push((id, Err(e)));
+                            break;
+                        }
+                        Err(e) => return Err(e),
+                        Ok(s) => {
+                            if failures > 0 {
+                                tracing::info!(source = %name, schema_id = id, failures, "the schema registry answers again");
+                            }
+                            out.push((id, Ok(s)));
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Decodes `payloads` (`None` for a record without a value): the batch
+    /// of the good ones in order, `bad` filled in for the others (entries
+    /// already `Some` are left out). Every payload's writer schema is known
+    /// ([`must_wait`](Self::must_wait) said so).
+    pub(crate) fn decode(
+        &mut self,
+        payloads: &[Option<&[u8]>],
+        bad: &mut [Option<BadRecord>],
+    ) -> Option<RecordBatch> {
+        if payloads.len() >= self.rows {
+            self.rows = payloads.len() + 1;
+            for (id, w) in &mut self.writers {
+                if let Writer::Ready { avro, decoder } = w {
+                    // Same schema as when it was first built: cannot fail.
+                    if let Ok(d) = decoder_for(*id, avro, self.rows) {
+                        **decoder = d;
+                    }
+                }
+            }
+        }
+        let mut shares: HashMap<u32, Share> = HashMap::new();
+        for (i, payload) in payloads.iter().enumerate() {
+            if bad[i].is_some() {
+                continue;
+            }
+            let Some(payload) = payload else {
+                bad[i] = Some(BadRecord::new(
+                    BadReason::Undecodable,
+                    "a record without a value (a tombstone); Avro values are expected",
+                ));
+                continue;
+            };
+            let Some(id) = schema_id(payload) else {
+                bad[i] = Some(BadRecord::new(
+                    BadReason::Undecodable,
+                    format!(
+                        "not in the Confluent wire format (a zero byte, then a 4-byte schema id); starts with {:02x?}",
+                        &payload[..payload.len().min(PREFIX)]
+                    ),
+                ));
+                continue;
+            };
+            match self.writers.get_mut(&id) {
+                None => {
+                    // must_wait held it back; cannot happen.
+                    bad[i] = Some(BadRecord::new(
+                        BadReason::UnknownSchema,
+                        format!("schema id {id} was not fetched"),
+                    ));
+                }
+                Some(Writer::Bad(b)) => bad[i] = Some(b.clone()),
+                Some(Writer::Ready { avro, decoder }) => {
+                    let share = shares.entry(id).or_default();
+                    match feed(decoder, payload) {
+                        Ok(()) => share.open.push(i),
+                        Err(e) => {
+                            bad[i] = Some(BadRecord::new(
+                                BadReason::Undecodable,
+                                format!("not an Avro datum of schema id {id}: {e}"),
+                            ));
+                            // The decoder may hold part of it: start again
+                            // from the good rows before it.
+                            let mut fresh = match decoder_for(id, avro, self.rows) {
+                                Ok(d) => d,
+                                Err(_) => continue,
+                            };
+                            let mut replayed = Vec::with_capacity(share.open.len());
+                            for &j in &share.open {
+                                match payloads[j].map(|p| feed(&mut fresh, p)) {
+                                    Some(Ok(())) => replayed.push(j),
+                                    _ => {
+                                        bad[j] = Some(BadRecord::new(
+                                            BadReason::Undecodable,
+                                            format!("schema id {id}: decoded once, then not again"),
+                                        ))
+                                    }
+                                }
+                            }
+                            share.open.clear();
+                            if let Ok(Some(batch)) = fresh.flush() {
+                                share.done.push((batch, replayed));
+                            }
+                            **decoder = fresh;
+                        }
+                    }
+                }
+            }
+        }
+        // Flush each writer's rows and make them the table's.
+        let mut pieces: Vec<(RecordBatch, Vec<usize>)> = Vec::new();
+        for (id, mut share) in shares {
+            if let Some(Writer::Ready { decoder, .. }) = self.writers.get_mut(&id)
+                && !share.open.is_empty()
+            {
+                match decoder.flush() {
+                    Ok(Some(batch)) => share.done.push((batch, std::mem::take(&mut share.open))),
+                    Ok(None) => {}
+                    Err(e) => {
+                        for &j in &share.open {
+                            bad[j] = Some(BadRecord::new(
+                                BadReason::Undecodable,
+                                format!("schema id {id}: {e}"),
+                            ));
+                        }
+                    }
+                }
+            }
+            for (batch, rows) in share.done {
+                match crate::conform::conform(&batch, &self.target, self.strict) {
+                    Ok((batch, bad_rows)) => {
+                        let mut rows = rows;
+                        if !bad_rows.is_empty() {
+                            let mut drop = vec![false; rows.len()];
+                            for (r, why) in bad_rows {
+                                drop[r] = true;
+                                bad[rows[r]] = Some(BadRecord::new(
+                                    BadReason::SchemaMismatch,
+                                    format!("schema id {id}: {why}"),
+                                ));
+                            }
+                            let mut k = 0;
+                            rows.retain(|_| {
+                                k += 1;
+                                !drop[k - 1]
+                            });
+                        }
+                        if !rows.is_empty() {
+                            pieces.push((batch, rows));
+                        }
+                    }
+                    Err(why) => {
+                        for &j in &rows {
+                            bad[j] = Some(BadRecord::new(
+                                BadReason::SchemaMismatch,
+                                format!("schema id {id} does not fit the table: {why}"),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        merge_in_order(pieces, bad)
+    }
+}
+
+/// One batch of the pieces' rows in poll order.
+fn merge_in_order(
+    mut pieces: Vec<(RecordBatch, Vec<usize>)>,
+    bad: &mut [Option<BadRecord>],
+) -> Option<RecordBatch> {
+    match pieces.len() {
+        0 => None,
+        1 => pieces.pop().map(|(b, _)| b),
+        _ => {
+            let mut order: Vec<(usize, (usize, usize))> = pieces
+                .iter()
+                .enumerate()
+                .flat_map(|(p, (_, rows))| rows.iter().enumerate().map(move |(r, &i)| (i, (p, r))))
+                .collect();
+            order.sort_unstable_by_key(|(i, _)| *i);
+            let indices: Vec<(usize, usize)> = order.iter().map(|(_, at)| *at).collect();
+            let batches: Vec<&RecordBatch> = pieces.iter().map(|(b, _)| b).collect();
+            match arrow_select::interleave::interleave_record_batch(&batches, &indices) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    // Cannot happen: every piece has the table's schema.
+                    for (i, _) in order {
+                        bad[i] = Some(BadRecord::new(
+                            BadReason::SchemaMismatch,
+                            format!("batches of two writer schemas do not merge: {e}"),
+                        ));
+                    }
+                    None
+                }
+            }
+        }
+    }
+}
+
+/// Decodes one wire-format payload into `decoder`, which must then hold
+/// exactly one more row and nothing else.
+fn feed(decoder: &mut Decoder, payload: &[u8]) -> Result<(), String> {
+    let before = decoder.capacity();
+    let used = decoder.decode(payload).map_err(|e| e.to_string())?;
+    if used < payload.len() || decoder.capacity() + 1 != before {
+        return Err(if decoder.capacity() + 1 == before {
+            format!(
+                "{} bytes after the datum",
+                payload.len().saturating_sub(used)
+            )
+        } else {
+            "the datum ends early (truncated, or written with another schema)".to_owned()
+        });
+    }
+    // Bytes after the datum that look like the start of another message
+    // (a zero byte and this schema's id) leave the decoder waiting for a
+    // body that the next record would fill. A decoder not waiting refuses a
+    // byte that is not the magic byte without changing; one waiting does
+    // something else.
+    match decoder.decode(&[0xFF]) {
+        Err(arrow_avro::errors::AvroError::ParseError(m))
+            if m == "Missing magic bytes and fingerprint" =>
+        {
+            Ok(())
+        }
+        _ => Err("bytes after the datum".to_owned()),
+    }
+}
+
+impl Drop for AvroValues {
+    fn drop(&mut self) {
+        if let Some(f) = self.fetch.take() {
+            f.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    use arrow_schema::{DataType, Field, Schema};
+
+    use super::*;
+
+    const BID: &str = r#"{"type":"record","name":"Bid","fields":[
+        {"name":"auction","type":"long"},
+        {"name":"note","type":["null","string"],"default":null}]}"#;
+
+    fn zigzag(v: i64, out: &mut Vec<u8>) {
+        let mut z = ((v << 1) ^ (v >> 63)) as u64;
+        loop {
+            let b = (z & 0x7f) as u8;
+            z >>= 7;
+            if z == 0 {
+                out.push(b);
+                break;
+            }
+            out.push(b | 0x80);
+        }
+    }
+
+    /// A bid in the wire format, as Confluent's serializer writes it.
+    fn bid(id: u32, auction: i64, note: Option<&str>) -> Vec<u8> {
+        let mut out = vec![0];
+        out.extend(id.to_be_bytes());
+        zigzag(auction, &mut out);
+        match note {
+            None => zigzag(0, &mut out),
+            Some(n) => {
+                zigzag(1, &mut out);
+                zigzag(n.len() as i64, &mut out);
+                out.extend(n.as_bytes());
+            }
+        }
+        out
+    }
+
+    fn values() -> AvroValues {
+        let registry =
+            Registry::new(crate::registry::RegistryConfig::new("http://127.0.0.1:9")).expect("ok");
+        let target = Arc::new(Schema::new(vec![
+            Field::new("auction", DataType::Int64, false),
+            Field::new("note", DataType::Utf8, true),
+        ]));
+        let mut v = AvroValues::new(registry, target, false, "test".to_owned());
+        v.writers.insert(
+            7,
+            Writer::Ready {
+                avro: BID.to_owned(),
+                decoder: Box::new(decoder_for(7, BID, 16).expect("a valid schema")),
+            },
+        );
+        v.rows = 16;
+        v
+    }
+
+    fn decode(v: &mut AvroValues, payloads: &[Vec<u8>]) -> (Vec<i64>, Vec<Option<BadRecord>>) {
+        let refs: Vec<Option<&[u8]>> = payloads.iter().map(|p| Some(p.as_slice())).collect();
+        let mut bad = vec![None; refs.len()];
+        let batch = v.decode(&refs, &mut bad);
+        let auctions = batch.map_or_else(Vec::new, |b| {
+            b.column(0).as_primitive::<Int64Type>().values().to_vec()
+        });
+        (auctions, bad)
+    }
+
+    #[test]
+    fn good_records_decode_in_order_around_bad_ones() {
+        let mut v = values();
+        let mut truncated = bid(7, 3, Some("long note"));
+        truncated.truncate(truncated.len() - 2);
+        let mut trailing = bid(7, 5, None);
+        trailing.extend([0, 0, 0, 0, 7]); // looks like the next message's start
+        let mut garbage = bid(7, 6, None);
+        garbage.push(0x42);
+        let (auctions, bad) = decode(
+            &mut v,
+            &[
+                bid(7, 1, Some("a")),
+                b"{\"json\": 1}".to_vec(),
+                bid(7, 2, None),
+                truncated,
+                bid(7, 4, Some("b")),
+                trailing,
+                garbage,
+                bid(7, 8, None),
+            ],
+        );
+        assert_eq!(auctions, vec![1, 2, 4, 8]);
+        let reasons: Vec<Option<BadReason>> =
+            bad.iter().map(|b| b.as_ref().map(|b| b.reason)).collect();
+        use BadReason::Undecodable as U;
+        assert_eq!(
+            reasons,
+            vec![None, Some(U), None, Some(U), None, Some(U), Some(U), None]
+        );
+        assert!(bad[1].as_ref().unwrap().detail.contains("wire format"));
+        // The next poll starts clean.
+        let (auctions, bad) = decode(&mut v, &[bid(7, 9, None)]);
+        assert_eq!(auctions, vec![9]);
+        assert!(bad[0].is_none());
+    }
+
+    #[test]
+    fn records_of_two_writer_schemas_keep_their_order_and_an_unknown_one_waits() {
+        let mut v = values();
+        let newer = r#"{"type":"record","name":"Bid","fields":[
+            {"name":"auction","type":"int"},
+            {"name":"note","type":["null","string"],"default":null},
+            {"name":"extra","type":"long","default":0}]}"#;
+        v.writers.insert(
+            8,
+            Writer::Ready {
+                avro: newer.to_owned(),
+                decoder: Box::new(decoder_for(8, newer, 16).expect("a valid schema")),
+            },
+        );
+        let mut b = bid(8, 2, None);
+        zigzag(99, &mut b); // extra
+        assert!(!v.must_wait(Some(&b)));
+        assert!(v.must_wait(Some(&bid(9, 1, None))));
+        let (auctions, bad) = decode(&mut v, &[bid(7, 1, None), b, bid(7, 3, None)]);
+        assert!(bad.iter().all(Option::is_none), "{bad:?}");
+        assert_eq!(auctions, vec![1, 2, 3]);
+    }
+}
