@@ -137,6 +137,7 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
             target_file_size: None,
             compression: None,
             bad_records: None,
+            schema_evolution: None,
             commit: CommitSection::default(),
         },
         checkpoint: CheckpointSection {
@@ -149,6 +150,7 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
             address: args.metrics.map(|a| a.to_string()),
             linger: None,
         },
+        columns: Default::default(),
     }
 }
 

@@ -31,6 +31,10 @@ pub struct JobFile {
     /// `[metrics]`
     #[serde(default)]
     pub metrics: MetricsSection,
+    /// With `sink.schema_evolution`: the source's columns, shared by every
+    /// plan made from this file (a restart plans again).
+    #[serde(skip)]
+    pub columns: crate::LiveColumns,
 }
 
 /// `[job]`
@@ -259,6 +263,10 @@ pub struct SinkSection {
     pub compression: Option<String>,
     /// Rows that do not fit the table: `fail` (default) or `skip`.
     pub bad_records: Option<String>,
+    /// When Avro records bring fields the table lacks: `ignore` (default:
+    /// they are not read), `add-columns` (the table takes them as optional
+    /// columns, and wider types) or `fail` (the job stops).
+    pub schema_evolution: Option<String>,
     /// `[sink.commit]`
     #[serde(default)]
     pub commit: CommitSection,

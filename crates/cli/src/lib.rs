@@ -7,6 +7,7 @@
 //! expected.
 
 mod duration;
+mod evolve;
 mod jobfile;
 pub mod jobstate;
 pub mod nexmark;
@@ -15,6 +16,7 @@ mod substitute;
 mod transform;
 
 pub use duration::{format_duration, parse_duration};
+pub use evolve::LiveColumns;
 pub use jobfile::{
     CatalogSection, CheckpointSection, CommitSection, ComputeSection, EventTimeSection,
     FieldSection, JobFile, JobSection, MetricsSection, PartitionSection, RestartSection,

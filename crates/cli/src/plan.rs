@@ -18,8 +18,8 @@ use tinyflow_connectors_iceberg::{
     FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
 };
 use tinyflow_connectors_kafka::{
-    BadRecordPolicy, BytesAs, Coercion, EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig,
-    StartPosition, offsets_of_positions,
+    BadRecordPolicy, BytesAs, Coercion, EventTime, Evolution, JsonArrow, KafkaArrowSource,
+    KafkaSourceConfig, SchemaEvolution, StartPosition, offsets_of_positions,
 };
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
@@ -77,7 +77,7 @@ fn arrow_type(key: &str, ty: &str, avro: bool) -> Result<DataType, JobFileError>
 /// into: struct fields, list elements and map values nullable unless
 /// declared `not null`; list elements and map entries named as Iceberg
 /// names them. Binary and decimal columns only take Avro values.
-fn arrow_of(ty: &ColumnType, avro: bool) -> Result<DataType, String> {
+pub(crate) fn arrow_of(ty: &ColumnType, avro: bool) -> Result<DataType, String> {
     let field = |name: &str, ty: &ColumnType, required: bool| -> Result<Field, String> {
         Ok(Field::new(name, arrow_of(ty, avro)?, !required))
     };
@@ -143,7 +143,7 @@ fn arrow_of(ty: &ColumnType, avro: bool) -> Result<DataType, String> {
 }
 
 /// The Iceberg column type of an Arrow type the transforms can output.
-fn column_type(field: &Field) -> Result<ColumnType, String> {
+pub(crate) fn column_type(field: &Field) -> Result<ColumnType, String> {
     Ok(match field.data_type() {
         DataType::Boolean => ColumnType::Boolean,
         DataType::Int8 | DataType::Int16 | DataType::Int32 => ColumnType::Int,
@@ -654,6 +654,36 @@ fn restart(r: &RestartSection) -> Result<RestartStrategy, JobFileError> {
 }
 
 impl JobFile {
+    /// `sink.schema_evolution`: `None` for `ignore` (the default), checked
+    /// against the source's format and the transforms.
+    fn schema_evolution(&self) -> Result<Option<SchemaEvolution>, JobFileError> {
+        let key = "sink.schema_evolution";
+        let mode = match self.sink.schema_evolution.as_deref().map(str::trim) {
+            None | Some("ignore" | "off") => return Ok(None),
+            Some("add-columns") => SchemaEvolution::AddColumns,
+            Some("fail") => SchemaEvolution::Fail,
+            Some(other) => {
+                return Err(err(
+                    key,
+                    format!("`{other}`: expected ignore, add-columns or fail"),
+                ));
+            }
+        };
+        if self.source.format.as_deref().map(str::trim) != Some("avro") {
+            return Err(err(
+                key,
+                "only with source.format = \"avro\" (a writer schema says which fields the records have)",
+            ));
+        }
+        if let Some(i) = self.transforms.iter().position(|t| t.filter.is_none()) {
+            return Err(err(
+                &format!("transforms[{i}]"),
+                "with sink.schema_evolution only filters are taken: select, rename and compute fix the columns the table gets",
+            ));
+        }
+        Ok(Some(mode))
+    }
+
     /// With `format = "avro"` and no `[[source.fields]]`, fetches the latest
     /// schema of the source's subject from the registry, whose fields
     /// become the columns ([`plan`](Self::plan) needs it then); otherwise
@@ -733,6 +763,7 @@ impl JobFile {
         }
         let s = &self.source;
         let mut format = value_format(s)?;
+        let value_columns = format.output_schema();
         if let Some(key) = &s.key {
             let (column, ty) = bytes_column("source.key", key, "key")?;
             format = format.with_key_column(&column, ty);
@@ -748,6 +779,21 @@ impl JobFile {
         }
         if s.metadata_columns {
             format = format.with_metadata_columns();
+        }
+        let evolution = self.schema_evolution()?;
+        if let Some(mode) = evolution {
+            let not_value = format
+                .output_schema()
+                .fields()
+                .iter()
+                .filter(|f| value_columns.field_with_name(f.name()).is_err())
+                .map(|f| f.name().clone())
+                .collect();
+            self.columns.start(&value_columns, not_value);
+            format = format.with_evolution(Evolution {
+                mode,
+                evolver: Arc::new(self.columns.clone()),
+            });
         }
         let mut kafka = source_config(s, &self.job.name)?;
         if let Some(start) = start {
@@ -788,6 +834,7 @@ impl JobFile {
         let k = &self.sink;
         let sink_id = k.sink_id.clone().unwrap_or_else(|| self.job.name.clone());
         let mut sc = IcebergSinkConfig::new(catalog(&k.catalog)?, &k.namespace, &k.table, &sink_id);
+        sc.schema_evolution = evolution.is_some();
         if k.create_if_missing {
             let mut columns = Vec::with_capacity(output_schema.fields().len());
             for f in output_schema.fields() {
@@ -897,6 +944,9 @@ impl JobFile {
             Some(sink) => sink.clone(),
             None => IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?,
         };
+        if evolution.is_some() {
+            self.columns.bind(&sink);
+        }
         let job = JobBuilder::new(job_id.clone());
         let source_parallelism = s.parallelism.unwrap_or(self.job.parallelism);
         let sink_parallelism = k.parallelism.unwrap_or(self.job.parallelism);
@@ -1165,6 +1215,14 @@ impl JobPlan {
             }
         }
         let graph = graph.unwrap_or(self.graph);
+        if let Some(mode) = self.file.schema_evolution()? {
+            // The table's columns beyond the declared ones (added by an
+            // earlier run, or by someone else) are read into too.
+            self.file
+                .columns
+                .follow_table(mode == SchemaEvolution::AddColumns)
+                .await?;
+        }
         let report = JobRunner::new(graph, Arc::new(store), self.runtime)
             .with_restart_budget_reset(Some(self.restart_reset_after))
             .with_stop(stop)

@@ -360,7 +360,19 @@ impl SinkTable {
                 let (table, created) =
                     ensure_table(catalog.as_ref(), &self.ident, &self.config).await?;
                 if let Some(spec) = &self.config.table_spec {
-                    check_fits(spec, table.metadata().current_schema(), &self.table_name())?;
+                    let schema = table.metadata().current_schema();
+                    if self.config.schema_evolution {
+                        // What evolution mends (a column the table lacks, a
+                        // type it can widen) is mended on the first evolve.
+                        if let Some(m) = crate::evolve::conflicts(schema, &spec.columns) {
+                            return Err(StreamError::Config {
+                                key: "sink.schema",
+                                message: format!("table {}: {m}", self.table_name()),
+                            });
+                        }
+                    } else {
+                        check_fits(spec, schema, &self.table_name())?;
+                    }
                 }
                 Ok::<_, StreamError>((table.metadata().uuid(), created))
             })
@@ -663,7 +675,7 @@ pub(crate) fn newest_sink_snapshot(table: &Table, sink_id: &str) -> Option<(i64,
 }
 
 /// The Iceberg type of `ty`; fields inside it take ids from `next_id` on.
-fn iceberg_type(ty: &ColumnType, next_id: &mut i32) -> Type {
+pub(crate) fn iceberg_type(ty: &ColumnType, next_id: &mut i32) -> Type {
     let mut id = || {
         let id = *next_id;
         *next_id += 1;

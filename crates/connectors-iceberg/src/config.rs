@@ -646,6 +646,10 @@ pub struct IcebergSinkConfig {
     /// with the history otherwise). `None`: the table's snapshots are left
     /// to the user's maintenance. Dedupe does not need the history.
     pub retain_snapshots: Option<usize>,
+    /// Schema evolution is on: the declared columns need only not
+    /// conflict with the table's (the table may lack some, or have wider
+    /// types; the source evolves it), instead of fitting exactly.
+    pub schema_evolution: bool,
     /// Fault injection on the commit path (tests).
     pub fault_hook: Option<FaultHook>,
 }
@@ -697,6 +701,7 @@ impl IcebergSinkConfig {
             connect_timeout: Duration::from_secs(15),
             orphan_min_age: Some(Duration::from_secs(3600)),
             retain_snapshots: None,
+            schema_evolution: false,
             fault_hook: None,
         }
     }

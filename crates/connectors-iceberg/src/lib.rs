@@ -48,6 +48,7 @@
 pub mod catalog;
 mod committer;
 pub mod config;
+mod evolve;
 pub mod identity;
 mod local_storage;
 mod orphans;
@@ -69,6 +70,7 @@ pub use config::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
     FaultHook, IcebergSinkConfig, PartitionField, TableSpec,
 };
+pub use evolve::SchemaChange;
 pub use orphans::OrphanReport;
 pub use writer::{DataFileMeta, conform, plain_columns};
 
@@ -149,6 +151,26 @@ impl IcebergSink {
     /// start its sources there and stay exactly once (`tinyflow run` does).
     pub async fn committed_positions(&self) -> StreamResult<Option<JobPositions>> {
         self.table.committed_positions().await
+    }
+
+    /// The table's columns now, as declared columns (those of types a job
+    /// file cannot declare left out); the table is created first when it
+    /// is missing and declared.
+    pub async fn table_columns(&self) -> StreamResult<Vec<crate::config::Column>> {
+        self.table.columns().await
+    }
+
+    /// Schema evolution: makes the table take `wanted` in a commit of its
+    /// own, adding the columns it lacks (as optional columns, nested ones
+    /// too) and widening types where Iceberg allows; renames, drops and
+    /// narrowing are never done (an error names the column). Idempotent:
+    /// returns what it changed (nothing when the table took them already)
+    /// and the table's schema after, as Arrow with field ids.
+    pub async fn evolve_columns(
+        &self,
+        wanted: &[crate::config::Column],
+    ) -> StreamResult<(SchemaChange, arrow_schema::SchemaRef)> {
+        self.table.evolve(wanted).await
     }
 
     /// Deletes this sink's data files that no snapshot references and that

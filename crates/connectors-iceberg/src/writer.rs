@@ -545,7 +545,8 @@ pub fn conform(
 }
 
 /// The column as the table's type: the same, or a lossless relabelling
-/// (string and binary offsets, the time zone of a UTC timestamp).
+/// (string and binary offsets, the time zone of a UTC timestamp, int to
+/// long, float to double, a decimal's precision up).
 fn fit_type(col: &ArrayRef, want: &DataType) -> Option<ArrayRef> {
     let have = col.data_type();
     if have == want {
@@ -563,6 +564,14 @@ fn fit_type(col: &ArrayRef, want: &DataType) -> Option<ArrayRef> {
     ) || matches!(
         (have, want),
         (DataType::Timestamp(a, Some(_)), DataType::Timestamp(b, Some(_))) if a == b
+    ) || matches!(
+        // Iceberg's promotions: a column widened by schema evolution takes
+        // the narrower values of writers still on the old schema.
+        (have, want),
+        (DataType::Int32, DataType::Int64) | (DataType::Float32, DataType::Float64)
+    ) || matches!(
+        (have, want),
+        (DataType::Decimal128(p, s), DataType::Decimal128(q, t)) if s == t && p <= q
     );
     if castable {
         return arrow_cast::cast(col, want).ok();

@@ -132,7 +132,7 @@ impl BytesAs {
 }
 
 /// What a record's value is decoded as.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 enum Value {
     /// A JSON object, into the declared columns.
     Json,
@@ -141,7 +141,11 @@ enum Value {
     /// Avro in the Confluent wire format, writer schemas from this
     /// registry, into the declared columns.
     #[cfg(feature = "avro")]
-    Avro(crate::registry::RegistryConfig),
+    Avro {
+        registry: crate::registry::RegistryConfig,
+        cache: crate::avro::SchemaCache,
+        evolution: Option<crate::avro::Evolution>,
+    },
 }
 
 /// A header taken into a column.
@@ -213,9 +217,25 @@ impl JsonArrow {
     #[cfg(feature = "avro")]
     pub fn avro(schema: SchemaRef, registry: crate::registry::RegistryConfig) -> Self {
         JsonArrow {
-            value: Value::Avro(registry),
+            value: Value::Avro {
+                registry,
+                cache: crate::avro::SchemaCache::default(),
+                evolution: None,
+            },
             ..JsonArrow::new(schema)
         }
+    }
+
+    /// Schema evolution for Avro values (see [`SchemaEvolution`](crate::SchemaEvolution)):
+    /// the columns come from `evolution`'s evolver, which may grow them;
+    /// columns it adds come after the key, header and metadata columns, so
+    /// those keep their places. No effect on other formats.
+    #[cfg(feature = "avro")]
+    pub fn with_evolution(mut self, e: crate::avro::Evolution) -> Self {
+        if let Value::Avro { evolution, .. } = &mut self.value {
+            *evolution = Some(e);
+        }
+        self
     }
 
     /// Appends the record's key as the nullable column `column` (null for
@@ -295,16 +315,37 @@ impl JsonArrow {
 
     /// The schema of the batches the source emits.
     pub fn output_schema(&self) -> SchemaRef {
+        self.output_for(&self.value_columns())
+    }
+
+    /// The value's columns now: the declared ones, or (with schema
+    /// evolution) the evolver's.
+    fn value_columns(&self) -> SchemaRef {
+        #[cfg(feature = "avro")]
+        if let Value::Avro {
+            evolution: Some(e), ..
+        } = &self.value
+        {
+            return e.evolver.columns();
+        }
+        Arc::clone(&self.schema)
+    }
+
+    /// The output schema for these value columns: the declared ones, the
+    /// key, header and metadata columns, then value columns added since.
+    fn output_for(&self, value: &SchemaRef) -> SchemaRef {
         let extra = self.extra_fields();
         if extra.is_empty() {
-            return Arc::clone(&self.schema);
+            return Arc::clone(value);
         }
-        let mut fields: Vec<Field> = self.schema.fields().iter().map(|f| (**f).clone()).collect();
+        let declared = self.schema.fields().len().min(value.fields().len());
+        let mut fields: Vec<Field> = value.fields()[..declared]
+            .iter()
+            .map(|f| (**f).clone())
+            .collect();
         fields.extend(extra);
-        Arc::new(Schema::new_with_metadata(
-            fields,
-            self.schema.metadata().clone(),
-        ))
+        fields.extend(value.fields()[declared..].iter().map(|f| (**f).clone()));
+        Arc::new(Schema::new_with_metadata(fields, value.metadata().clone()))
     }
 
     /// A decoder for up to `rows` rows (one more, to see a record with two).
@@ -439,7 +480,7 @@ impl KafkaArrowSource {
             }
             Value::Raw(_) => {}
             #[cfg(feature = "avro")]
-            Value::Avro(registry) => {
+            Value::Avro { registry, .. } => {
                 crate::registry::Registry::new(registry.clone()).map_err(|e| {
                     StreamError::Config {
                         key: "source.registry",
@@ -494,22 +535,31 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
         restored: &[Vec<u8>],
     ) -> StreamResult<Box<dyn Source<RecordBatch>>> {
         self.validate()?;
+        // The columns now (they may have grown since the plan).
+        let value = self.format.value_columns();
         let decoder = ArrowDecoder {
             payloads: JsonArrowDecoder::with_limits(&self.format, self.config.limits()),
-            output: self.format.output_schema(),
+            output: self.format.output_for(&value),
+            declared: self.format.schema.fields().len(),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
             #[cfg(feature = "avro")]
             avro: match &self.format.value {
-                Value::Avro(registry) => Some(crate::avro::AvroValues::new(
+                Value::Avro {
+                    registry,
+                    cache,
+                    evolution,
+                } => Some(crate::avro::AvroValues::new(
                     crate::registry::Registry::new(registry.clone()).map_err(|e| {
                         StreamError::Config {
                             key: "source.registry",
                             message: e.to_string(),
                         }
                     })?,
-                    Arc::clone(&self.format.schema),
+                    value,
                     self.format.strict,
                     ctx.name.clone(),
+                    evolution.clone(),
+                    cache.clone(),
                 )),
                 _ => None,
             },
@@ -690,6 +740,10 @@ impl JsonArrowDecoder {
 struct ArrowDecoder {
     payloads: JsonArrowDecoder,
     output: SchemaRef,
+    /// How many value columns come before the key, header and metadata
+    /// columns (the declared ones; columns added by schema evolution come
+    /// after them).
+    declared: usize,
     from: Option<TimeFrom<RecordBatch>>,
     /// The Avro decoder, for Avro values.
     #[cfg(feature = "avro")]
@@ -774,7 +828,8 @@ impl ArrowDecoder {
             return Ok(batch);
         }
         let not_utf8 = || "a key or header not UTF-8 passed the check".to_owned();
-        let mut columns: Vec<ArrayRef> = batch.columns().to_vec();
+        let declared = self.declared.min(batch.num_columns());
+        let mut columns: Vec<ArrayRef> = batch.columns()[..declared].to_vec();
         if let Some((_, ty)) = &format.key {
             columns.push(
                 ty.column(good.iter().map(|p| p.msg.key()))
@@ -801,6 +856,7 @@ impl ArrowDecoder {
                 good.iter().map(|p| p.msg.timestamp().to_millis()),
             )));
         }
+        columns.extend(batch.columns()[declared..].iter().cloned());
         RecordBatch::try_new(Arc::clone(&self.output), columns).map_err(|e| e.to_string())
     }
 }
@@ -843,9 +899,11 @@ impl Decode for ArrowDecoder {
 
     #[cfg(feature = "avro")]
     fn must_wait(&mut self, msg: &rdkafka::message::BorrowedMessage<'_>) -> bool {
-        self.avro
-            .as_mut()
-            .is_some_and(|a| a.must_wait(msg.payload()))
+        self.avro.as_mut().is_some_and(|a| {
+            a.must_wait(msg.payload(), || {
+                format!("{}/{}@{}", msg.topic(), msg.partition(), msg.offset())
+            })
+        })
     }
 
     #[cfg(feature = "avro")]
@@ -880,7 +938,7 @@ impl Decode for ArrowDecoder {
                 self.raw_batch(polled, ty)
             }
             #[cfg(feature = "avro")]
-            Value::Avro(_) => {
+            Value::Avro { .. } => {
                 let mut bad = known;
                 let limits = self.payloads.limits;
                 let payloads: Vec<Option<&[u8]>> = polled

@@ -10,8 +10,18 @@
 //! partition again from that record once the schema is there (see
 //! `Reader::defer`), so nothing is lost or skipped while the registry is
 //! down. An id the registry does not have is a bad record.
+//!
+//! Schema evolution ([`SchemaEvolution`]): a writer schema whose fields
+//! the columns lack (or whose types are wider) is, under `AddColumns`,
+//! taken into the table by the [`ColumnsEvolver`] (a schema commit of its
+//! own), after which the source fails with a retryable error so that the
+//! job restarts from its last checkpoint with the new columns everywhere
+//! (writers switch schema on that restart, never inside a file); its
+//! records were never emitted, so they are read again. Under `Fail` such a
+//! schema stops the job, naming it and where it was met.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arrow_array::RecordBatch;
@@ -23,6 +33,66 @@ use tokio::task::JoinHandle;
 
 use crate::bad_record::{BadReason, BadRecord};
 use crate::registry::{Registry, RegistryError};
+
+/// What an Avro source does when a writer schema has fields its columns
+/// lack, or wider types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SchemaEvolution {
+    /// The fields are not read (a type that does not convert makes its
+    /// records bad): the columns stay as declared.
+    Ignore,
+    /// The table takes them (new optional columns, widened types) and the
+    /// job restarts with them; a change the table cannot take (a type that
+    /// neither converts nor widens) stops the job.
+    AddColumns,
+    /// The job stops, naming the schema and where it was met.
+    Fail,
+}
+
+/// The table behind an Avro source whose columns may grow (implemented
+/// where the source and the table meet: the `tinyflow` command joins it to
+/// the Iceberg sink).
+#[async_trait::async_trait]
+pub trait ColumnsEvolver: Send + Sync + std::fmt::Debug {
+    /// The value columns the source decodes into now (the declared ones
+    /// first, then the ones added since).
+    fn columns(&self) -> SchemaRef;
+
+    /// Makes the table take `wanted` (the columns, grown); afterwards
+    /// [`columns`](Self::columns) holds them. Returns what changed, for the
+    /// log.
+    async fn evolve(&self, wanted: SchemaRef) -> StreamResult<String>;
+}
+
+/// Schema evolution for a source: the mode and the table.
+#[derive(Debug, Clone)]
+pub struct Evolution {
+    pub mode: SchemaEvolution,
+    pub evolver: Arc<dyn ColumnsEvolver>,
+}
+
+/// Writer schemas fetched from the registry, by id: shared by a source's
+/// subtasks and kept across the job's restarts, so an outage of the
+/// registry stops nothing that has seen its schemas.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SchemaCache(Arc<Mutex<HashMap<u32, crate::registry::RegisteredSchema>>>);
+
+impl SchemaCache {
+    fn get(&self, id: u32) -> Option<crate::registry::RegisteredSchema> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
+    fn put(&self, s: crate::registry::RegisteredSchema) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(s.id, s);
+    }
+}
 
 /// The wire format's first byte.
 const MAGIC: u8 = 0;
@@ -67,6 +137,11 @@ enum Writer {
     Ready { avro: String, decoder: Box<Decoder> },
     /// Every record written with it is bad, for this reason.
     Bad(BadRecord),
+    /// Its records wait until the table has these columns (and the job
+    /// has restarted with them).
+    Evolve(SchemaRef),
+    /// Its records stop the job, for this reason.
+    Stop(String),
 }
 
 /// One writer schema's share of a poll: batches decoded so far, each with
@@ -89,6 +164,11 @@ pub(crate) struct AvroValues {
     registry: Registry,
     target: SchemaRef,
     strict: bool,
+    evolution: Option<Evolution>,
+    cache: SchemaCache,
+    /// The first record held back by an `Evolve` or `Stop` schema: its id
+    /// and where it is (`topic/partition@offset`).
+    blocked: Option<(u32, String)>,
     /// The source's name, for logs.
     name: String,
     writers: HashMap<u32, Writer>,
@@ -110,11 +190,21 @@ impl std::fmt::Debug for AvroValues {
 }
 
 impl AvroValues {
-    pub(crate) fn new(registry: Registry, target: SchemaRef, strict: bool, name: String) -> Self {
+    pub(crate) fn new(
+        registry: Registry,
+        target: SchemaRef,
+        strict: bool,
+        name: String,
+        evolution: Option<Evolution>,
+        cache: SchemaCache,
+    ) -> Self {
         AvroValues {
             registry,
-            target,
+            target: evolution.as_ref().map_or(target, |e| e.evolver.columns()),
             strict,
+            evolution,
+            cache,
+            blocked: None,
             name,
             writers: HashMap::new(),
             wanted: BTreeSet::new(),
@@ -123,23 +213,134 @@ impl AvroValues {
         }
     }
 
-    /// Whether a record with this payload must wait for its writer schema
-    /// (which this starts fetching).
-    pub(crate) fn must_wait(&mut self, payload: Option<&[u8]>) -> bool {
+    /// Whether a record with this payload (at `at`, named only when
+    /// needed) must wait: for its writer schema (which this starts
+    /// fetching), or for the table to take that schema's columns.
+    pub(crate) fn must_wait(
+        &mut self,
+        payload: Option<&[u8]>,
+        at: impl FnOnce() -> String,
+    ) -> bool {
         let Some(id) = payload.and_then(schema_id) else {
             return false; // not the wire format: bad, decoded now
         };
-        if self.writers.contains_key(&id) {
-            return false;
+        if !self.writers.contains_key(&id)
+            && let Some(s) = self.cache.get(id)
+        {
+            let w = self.admit(s);
+            self.writers.insert(id, w);
         }
-        self.wanted.insert(id);
-        true
+        match self.writers.get(&id) {
+            Some(Writer::Ready { .. } | Writer::Bad(_)) => false,
+            Some(Writer::Evolve(_) | Writer::Stop(_)) => {
+                if self.blocked.is_none() {
+                    self.blocked = Some((id, at()));
+                }
+                true
+            }
+            None => {
+                self.wanted.insert(id);
+                true
+            }
+        }
+    }
+
+    /// What records of writer schema `s` get: decoded, bad, or held back
+    /// for schema evolution.
+    fn admit(&self, s: crate::registry::RegisteredSchema) -> Writer {
+        let id = s.id;
+        if s.schema_type != "AVRO" {
+            return Writer::Bad(BadRecord::new(
+                BadReason::SchemaMismatch,
+                format!("schema id {id} is a {} schema, not Avro", s.schema_type),
+            ));
+        }
+        if s.has_references {
+            return Writer::Bad(BadRecord::new(
+                BadReason::SchemaMismatch,
+                format!("schema id {id} refers to other schemas, which is not supported yet"),
+            ));
+        }
+        let decoder = match decoder_for(id, &s.schema, self.rows) {
+            Ok(d) => d,
+            Err(e) => {
+                return Writer::Bad(BadRecord::new(
+                    BadReason::SchemaMismatch,
+                    format!("schema id {id}: {e}"),
+                ));
+            }
+        };
+        let mode = self.evolution.as_ref().map(|e| e.mode);
+        if let Some(mode @ (SchemaEvolution::AddColumns | SchemaEvolution::Fail)) = mode {
+            let writer = decoder.schema();
+            match (
+                crate::conform::grow(self.target.fields(), writer.fields()),
+                mode,
+            ) {
+                (Ok(None), _) => {}
+                (Ok(Some(fields)), SchemaEvolution::AddColumns) => {
+                    return Writer::Evolve(Arc::new(arrow_schema::Schema::new(fields)));
+                }
+                (Ok(Some(fields)), _) => {
+                    let new: Vec<&str> = fields
+                        .iter()
+                        .filter(|f| self.target.field_with_name(f.name()).is_err())
+                        .map(|f| f.name().as_str())
+                        .collect();
+                    return Writer::Stop(format!(
+                        "schema id {id} has fields or types the table lacks (new columns: {new:?}), and sink.schema_evolution is \"fail\""
+                    ));
+                }
+                (Err(e), _) => {
+                    return Writer::Stop(format!(
+                        "schema id {id} changes a column in a way the table cannot take: {e}"
+                    ));
+                }
+            }
+        }
+        tracing::info!(source = %self.name, schema_id = id, registry = %self.registry.url(), "fetched a writer schema");
+        Writer::Ready {
+            avro: s.schema,
+            decoder: Box::new(decoder),
+        }
     }
 
     /// Waits up to `max` for the schemas being fetched; `Ok(true)` when
     /// none is missing any more. A registry that refuses the credentials
     /// fails the source.
     pub(crate) async fn ready(&mut self, max: Duration) -> StreamResult<bool> {
+        if let Some((id, at)) = self.blocked.take() {
+            match self.writers.get(&id) {
+                Some(Writer::Stop(reason)) => {
+                    return Err(StreamError::External {
+                        operator: self.name.clone(),
+                        system: "kafka",
+                        action: "reading Avro records".to_owned(),
+                        message: format!("the record at {at}: {reason}"),
+                        retryable: false,
+                    });
+                }
+                Some(Writer::Evolve(grown)) => {
+                    let grown = Arc::clone(grown);
+                    let evolver = match &self.evolution {
+                        Some(e) => Arc::clone(&e.evolver),
+                        None => return Ok(true),
+                    };
+                    let change = evolver.evolve(grown).await?;
+                    tracing::info!(source = %self.name, schema_id = id, at = %at, change = %change, "the table took the writer schema's new columns; restarting from the last checkpoint with them");
+                    return Err(StreamError::External {
+                        operator: self.name.clone(),
+                        system: "iceberg",
+                        action: "evolving the table's schema".to_owned(),
+                        message: format!(
+                            "schema id {id} (first at {at}) brought {change}; the job restarts from its last checkpoint with the new columns"
+                        ),
+                        retryable: true,
+                    });
+                }
+                _ => {}
+            }
+        }
         if self.fetch.is_none() {
             if self.wanted.is_empty() {
                 return Ok(true);
@@ -160,27 +361,10 @@ impl AvroValues {
         for (id, answer) in fetched {
             self.wanted.remove(&id);
             let writer = match answer {
-                Ok(s) if s.schema_type != "AVRO" => Writer::Bad(BadRecord::new(
-                    BadReason::SchemaMismatch,
-                    format!("schema id {id} is a {} schema, not Avro", s.schema_type),
-                )),
-                Ok(s) if s.has_references => Writer::Bad(BadRecord::new(
-                    BadReason::SchemaMismatch,
-                    format!("schema id {id} refers to other schemas, which is not supported yet"),
-                )),
-                Ok(s) => match decoder_for(id, &s.schema, self.rows) {
-                    Ok(decoder) => {
-                        tracing::info!(source = %self.name, schema_id = id, registry = %self.registry.url(), "fetched a writer schema");
-                        Writer::Ready {
-                            avro: s.schema,
-                            decoder: Box::new(decoder),
-                        }
-                    }
-                    Err(e) => Writer::Bad(BadRecord::new(
-                        BadReason::SchemaMismatch,
-                        format!("schema id {id}: {e}"),
-                    )),
-                },
+                Ok(s) => {
+                    self.cache.put(s.clone());
+                    self.admit(s)
+                }
                 Err(e) => Writer::Bad(BadRecord::new(
                     BadReason::UnknownSchema,
                     format!("schema id {id}: {e}"),
@@ -293,6 +477,13 @@ impl AvroValues {
                     ));
                 }
                 Some(Writer::Bad(b)) => bad[i] = Some(b.clone()),
+                Some(Writer::Evolve(_) | Writer::Stop(_)) => {
+                    // must_wait held it back; cannot happen.
+                    bad[i] = Some(BadRecord::new(
+                        BadReason::SchemaMismatch,
+                        format!("schema id {id} waits for the table's schema"),
+                    ));
+                }
                 Some(Writer::Ready { avro, decoder }) => {
                     let share = shares.entry(id).or_default();
                     match feed(decoder, payload) {
@@ -509,7 +700,14 @@ mod tests {
             Field::new("auction", DataType::Int64, false),
             Field::new("note", DataType::Utf8, true),
         ]));
-        let mut v = AvroValues::new(registry, target, false, "test".to_owned());
+        let mut v = AvroValues::new(
+            registry,
+            target,
+            false,
+            "test".to_owned(),
+            None,
+            SchemaCache::default(),
+        );
         v.writers.insert(
             7,
             Writer::Ready {
@@ -584,8 +782,8 @@ mod tests {
         );
         let mut b = bid(8, 2, None);
         zigzag(99, &mut b); // extra
-        assert!(!v.must_wait(Some(&b)));
-        assert!(v.must_wait(Some(&bid(9, 1, None))));
+        assert!(!v.must_wait(Some(&b), String::new));
+        assert!(v.must_wait(Some(&bid(9, 1, None)), String::new));
         let (auctions, bad) = decode(&mut v, &[bid(7, 1, None), b, bid(7, 3, None)]);
         assert!(bad.iter().all(Option::is_none), "{bad:?}");
         assert_eq!(auctions, vec![1, 2, 3]);

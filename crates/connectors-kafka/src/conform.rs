@@ -310,6 +310,146 @@ fn uuid_text(b: &[u8]) -> String {
     )
 }
 
+/// `field` (as arrow-avro decodes a writer's field) with the type a table
+/// column of it takes: enums and UUIDs as strings, fixed as binary,
+/// timestamps in microseconds, list elements named `element` and map
+/// entries `key_value` (`key`, `value`) as Iceberg names them. An error for
+/// a type no Iceberg column takes here (time of day, nanosecond
+/// timestamps, durations).
+pub fn table_field(field: &Field) -> Result<Field, String> {
+    use DataType as D;
+    let named = |name: &str, f: &Field| -> Result<FieldRef, String> {
+        Ok(Arc::new(
+            table_field(f)?
+                .with_name(name)
+                .with_metadata(Default::default()),
+        ))
+    };
+    let ty = match field.data_type() {
+        D::Dictionary(_, v) if **v == D::Utf8 => D::Utf8,
+        D::FixedSizeBinary(16)
+            if field.extension_type_name() == Some("arrow.uuid")
+                || field.metadata().get("logicalType").map(String::as_str) == Some("uuid") =>
+        {
+            D::Utf8
+        }
+        D::FixedSizeBinary(_) | D::LargeBinary => D::Binary,
+        D::LargeUtf8 => D::Utf8,
+        D::Timestamp(TimeUnit::Nanosecond, _) => {
+            return Err(format!(
+                "`{}` holds nanoseconds, which no Iceberg v2 timestamp takes",
+                field.name()
+            ));
+        }
+        D::Timestamp(_, tz) => D::Timestamp(TimeUnit::Microsecond, tz.clone()),
+        t @ (D::Boolean
+        | D::Int32
+        | D::Int64
+        | D::Float32
+        | D::Float64
+        | D::Utf8
+        | D::Binary
+        | D::Date32
+        | D::Decimal128(_, _)) => t.clone(),
+        D::Struct(fields) => D::Struct(
+            fields
+                .iter()
+                .map(|f| Ok(Arc::new(table_field(f)?.with_metadata(Default::default()))))
+                .collect::<Result<Vec<FieldRef>, String>>()?
+                .into(),
+        ),
+        D::List(e) | D::LargeList(e) => D::List(named("element", e)?),
+        D::Map(entries, _) => match entries.data_type() {
+            D::Struct(kv) if kv.len() == 2 => D::Map(
+                Arc::new(Field::new(
+                    "key_value",
+                    D::Struct(vec![named("key", &kv[0])?, named("value", &kv[1])?].into()),
+                    false,
+                )),
+                false,
+            ),
+            other => return Err(format!("`{}` is a map of {other}", field.name())),
+        },
+        other => {
+            return Err(format!(
+                "`{}` is {other}, which no Iceberg column takes here",
+                field.name()
+            ));
+        }
+    };
+    Ok(Field::new(field.name(), ty, field.is_nullable()))
+}
+
+/// `target` grown to take records of `writer` (a writer schema as
+/// arrow-avro decodes it): the fields it lacks added as nullable fields at
+/// the end (of the columns, or of their struct, also inside lists and
+/// maps), types widened where the writer's is wider and Iceberg allows
+/// (int to long, float to double, a decimal's precision up). `None` when
+/// `target` takes them as it is; an error naming the field when a type
+/// neither converts nor widens.
+pub fn grow(target: &Fields, writer: &Fields) -> Result<Option<Fields>, String> {
+    let mut out: Vec<FieldRef> = target.iter().cloned().collect();
+    let mut changed = false;
+    for w in writer {
+        let w = Arc::new(table_field(w)?);
+        match out.iter().position(|t| t.name() == w.name()) {
+            None => {
+                out.push(Arc::new(w.as_ref().clone().with_nullable(true)));
+                changed = true;
+            }
+            Some(i) => {
+                if let Some(ty) = grow_type(out[i].data_type(), w.data_type(), w.name())? {
+                    out[i] = Arc::new(out[i].as_ref().clone().with_data_type(ty));
+                    changed = true;
+                }
+            }
+        }
+    }
+    Ok(changed.then(|| out.into()))
+}
+
+fn grow_type(t: &DataType, w: &DataType, path: &str) -> Result<Option<DataType>, String> {
+    use DataType as D;
+    Ok(match (t, w) {
+        (D::Struct(tf), D::Struct(wf)) => grow(tf, wf)
+            .map_err(|e| format!("{path}.{e}"))?
+            .map(D::Struct),
+        (D::List(te), D::List(we)) => {
+            grow_type(te.data_type(), we.data_type(), &format!("{path}[]"))?
+                .map(|ty| D::List(Arc::new(te.as_ref().clone().with_data_type(ty))))
+        }
+        (D::Map(te, sorted), D::Map(we, _)) => {
+            let (D::Struct(tkv), D::Struct(wkv)) = (te.data_type(), we.data_type()) else {
+                return Err(format!("`{path}` is a map without key and value"));
+            };
+            grow_type(
+                tkv[1].data_type(),
+                wkv[1].data_type(),
+                &format!("{path}.value"),
+            )?
+            .map(|ty| {
+                let kv: Fields = vec![
+                    Arc::clone(&tkv[0]),
+                    Arc::new(tkv[1].as_ref().clone().with_data_type(ty)),
+                ]
+                .into();
+                D::Map(
+                    Arc::new(te.as_ref().clone().with_data_type(D::Struct(kv))),
+                    *sorted,
+                )
+            })
+        }
+        (t, w) if convertible(w, t, path).is_ok() => None,
+        (D::Int32, D::Int64) | (D::Float32, D::Float64) => Some(w.clone()),
+        (D::Decimal128(tp, ts), D::Decimal128(wp, ws)) if ts == ws && wp > tp => Some(w.clone()),
+        (t, w) => {
+            return Err(format!(
+                "`{path}` is {w} in the writer's schema; the column is {t}, which neither takes it without loss nor widens into it"
+            ));
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use arrow_array::{Int32Array, Int64Array};
@@ -407,6 +547,50 @@ mod tests {
         assert!(conform(&source, &fewer, false).is_ok());
         let e = conform(&source, &fewer, true).unwrap_err();
         assert!(e.contains("field `a` is not a column"), "{e}");
+    }
+
+    #[test]
+    fn a_writer_schema_grows_the_columns_by_new_fields_and_wider_types_only() {
+        let addr = Fields::from(vec![Field::new("city", DataType::Utf8, true)]);
+        let target = Fields::from(vec![
+            Field::new("id", DataType::Int32, false),
+            Field::new("addr", DataType::Struct(addr.clone()), true),
+        ]);
+        // The same fields: nothing to grow.
+        assert_eq!(grow(&target, &target).unwrap(), None);
+        let waddr = Fields::from(vec![
+            Field::new("city", DataType::Utf8, true),
+            Field::new("zip", DataType::Utf8, false),
+        ]);
+        let writer = Fields::from(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("addr", DataType::Struct(waddr), true),
+            Field::new(
+                "at",
+                DataType::Timestamp(TimeUnit::Millisecond, Some("+00:00".into())),
+                false,
+            ),
+        ]);
+        let grown = grow(&target, &writer).unwrap().unwrap();
+        assert_eq!(grown[0].data_type(), &DataType::Int64);
+        let DataType::Struct(a) = grown[1].data_type() else {
+            panic!("a struct")
+        };
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[1].name(), "zip");
+        assert_eq!(grown[2].name(), "at");
+        assert!(grown[2].is_nullable(), "new columns are optional");
+        assert_eq!(
+            grown[2].data_type(),
+            &DataType::Timestamp(TimeUnit::Microsecond, Some("+00:00".into()))
+        );
+        // A writer narrower than the column needs nothing.
+        let narrow = Fields::from(vec![Field::new("id", DataType::Int32, false)]);
+        assert_eq!(grow(&grown, &narrow).unwrap(), None);
+        // A change that is no widening is refused, naming the field.
+        let other = Fields::from(vec![Field::new("id", DataType::Utf8, false)]);
+        let e = grow(&target, &other).unwrap_err();
+        assert!(e.contains("`id` is Utf8"), "{e}");
     }
 
     #[test]

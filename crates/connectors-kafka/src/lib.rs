@@ -47,11 +47,13 @@ pub use arrow::{
     BytesAs, Coercion, JsonArrow, JsonArrowDecoder, KafkaArrowSource, METADATA_COLUMNS,
 };
 #[cfg(feature = "avro")]
-pub use avro::arrow_schema_of as avro_arrow_schema;
+pub use avro::{ColumnsEvolver, Evolution, SchemaEvolution, arrow_schema_of as avro_arrow_schema};
 pub use bad_record::BadReason;
 pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
 };
+#[cfg(feature = "avro")]
+pub use conform::{grow as grow_columns, table_field};
 #[cfg(feature = "embedded")]
 pub use embedded::EmbeddedKafka;
 pub use source::{KafkaRecord, KafkaSource, decode_positions, offsets_of_positions};

@@ -327,3 +327,201 @@ async fn a_registry_outage_holds_new_schemas_records_back_until_it_is_back_each_
         );
     }
 }
+
+/// The event schema at version `v` (1 to 5): v2 adds an optional field,
+/// v3 widens an int to a long, v4 adds a field inside a nested record, v5
+/// has `region`, which someone else added to the table meanwhile.
+fn event_schema(v: u32) -> serde_json::Value {
+    let mut buyer = vec![json!({"name": "name", "type": "string"})];
+    if v >= 4 {
+        buyer.push(json!({"name": "tier", "type": ["null", "string"], "default": null}));
+    }
+    let mut fields = vec![
+        json!({"name": "id", "type": "long"}),
+        json!({"name": "qty", "type": if v >= 3 { "long" } else { "int" }}),
+        json!({"name": "buyer", "type": {"type": "record", "name": "Buyer", "fields": buyer}}),
+    ];
+    if v >= 2 {
+        fields.push(json!({"name": "coupon", "type": ["null", "string"], "default": null}));
+    }
+    if v >= 5 {
+        fields.push(json!({"name": "region", "type": ["null", "string"], "default": null}));
+    }
+    json!({"type": "record", "name": "Event", "namespace": "shop", "fields": fields})
+}
+
+/// Event `i` written with schema version `v`, and its row as pyiceberg
+/// reads the evolved table: id, qty, buyer, coupon, region.
+fn event(i: u64, v: u32) -> (serde_json::Value, Vec<serde_json::Value>) {
+    let qty = if v >= 3 { 3_000_000_000 + i } else { i };
+    let coupon = (v >= 2).then(|| format!("c{i}"));
+    let tier = (v >= 4).then(|| "gold".to_owned());
+    let mut buyer = json!({"name": format!("b{i}")});
+    if v >= 4 {
+        buyer["tier"] = json!(tier);
+    }
+    let mut value = json!({"id": i, "qty": qty, "buyer": buyer});
+    if v >= 2 {
+        value["coupon"] = json!(coupon);
+    }
+    let region = (v >= 5).then(|| "eu".to_owned());
+    if v >= 5 {
+        value["region"] = json!(region);
+    }
+    let row = vec![
+        json!(i),
+        json!(qty),
+        json!({"name": format!("b{i}"), "tier": tier}),
+        json!(coupon),
+        json!(region),
+    ];
+    (value, row)
+}
+
+const PER_VERSION: u64 = 1000;
+
+fn produce_events(bootstrap: &str, topic: &str, registry: &str, v: u32) {
+    let ids = u64::from(v - 1) * PER_VERSION..u64::from(v) * PER_VERSION;
+    let mut lines = vec![json!({"avro": event_schema(v)})];
+    lines.extend(ids.map(|i| json!({"value": event(i, v).0, "partition": i % PARTITIONS as u64})));
+    produce_avro(bootstrap, topic, registry, &lines, &[]);
+}
+
+fn evolving_job(
+    dir: &Path,
+    bootstrap: &str,
+    topic: &str,
+    registry: &str,
+    bounded: bool,
+) -> PathBuf {
+    let job = dir.join(if bounded {
+        "bounded.toml"
+    } else {
+        "evolving.toml"
+    });
+    std::fs::write(
+        &job,
+        format!(
+            r#"
+[job]
+name = "avro-evolving"
+parallelism = 2
+
+[source]
+bounded = {bounded}
+bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+format = "avro"
+registry = {{ url = "{registry}" }}
+
+[sink]
+namespace = "shop"
+table = "events"
+schema_evolution = "add-columns"
+catalog = {{ type = "sqlite", dir = "{dir}" }}
+
+[checkpoint]
+interval = "300ms"
+dir = "{dir}/checkpoints"
+"#,
+            dir = dir.display()
+        ),
+    )
+    .unwrap();
+    job
+}
+
+/// The topic's schema evolves three times while the job runs: a new
+/// optional field, an int widened to a long (with values past the int's
+/// range after it), a new field in a nested record. Each time the table
+/// takes it in a schema commit of its own and the job is killed with
+/// SIGKILL right after that commit, before any data under the new schema
+/// is committed, then started again. The table ends with every column,
+/// old rows null in the new ones, the widened column holding every value,
+/// and every record once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_evolving_three_times_under_sigkills_ends_in_the_evolved_table_each_record_once() {
+    let registry = SchemaRegistry::start();
+    let (bootstrap, topic) = new_topic("avro-evolving").await;
+    produce_events(&bootstrap, &topic, &registry.url(), 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = evolving_job(&dir, &bootstrap, &topic, &registry.url(), false);
+    let mut run = Run::start(&job, &dir, 0);
+    assert!(
+        run.wait_for("fetched a writer schema", Duration::from_secs(60)),
+        "the job did not start reading"
+    );
+    for v in 2..=4 {
+        produce_events(&bootstrap, &topic, &registry.url(), v);
+        assert!(
+            run.wait_for(
+                "the table took the writer schema's new columns",
+                Duration::from_secs(60)
+            ),
+            "the table did not take schema version {v}: {}",
+            std::fs::read_to_string(&run.log).unwrap_or_default()
+        );
+        // Between the schema commit and the data commits under it.
+        run.kill();
+        run = Run::start(&job, &dir, v);
+        assert!(
+            run.wait_for("fetched a writer schema", Duration::from_secs(60)),
+            "the job did not start again after version {v}"
+        );
+    }
+    // Someone else adds a column; records that have it fill it.
+    add_column(&dir, "shop.events", "region").await;
+    produce_events(&bootstrap, &topic, &registry.url(), 5);
+    assert!(
+        run.wait_for("columns the table already had", Duration::from_secs(60)),
+        "the job did not take the column someone else added: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
+    // This time the job restarts in place, with the column.
+    assert!(
+        run.wait_for("fetched a writer schema", Duration::from_secs(60)),
+        "the job did not restart in place: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
+    run.stop();
+    let bounded = evolving_job(&dir, &bootstrap, &topic, &registry.url(), true);
+    Run::start(&bounded, &dir, 9).exits_0_within_120_s("the bounded run still ran after 120 s");
+
+    let mut got = tinyflow_tests::pyiceberg_rows(
+        &dir,
+        "shop.events",
+        &["id", "qty", "buyer", "coupon", "region"],
+    );
+    got.sort_by_key(|r| r[0].as_u64().unwrap());
+    assert_eq!(got.len(), 5 * PER_VERSION as usize, "rows");
+    for (i, row) in got.iter().enumerate() {
+        let v = (i as u64 / PER_VERSION) as u32 + 1;
+        assert_eq!(row, &event(i as u64, v).1, "row {i} (schema version {v})");
+    }
+}
+
+/// Adds optional string column `column` to `table` as another tool would:
+/// iceberg-rust's own schema update, outside tinyflow.
+async fn add_column(dir: &Path, table: &str, column: &str) {
+    use iceberg::transaction::{AddColumn, ApplyTransactionAction, Transaction};
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(dir);
+    let c = tinyflow_connectors_iceberg::open_catalog(&catalog, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let (ns, name) = table.split_once('.').unwrap();
+    let t = c
+        .load_table(&iceberg::TableIdent::from_strs([ns, name]).unwrap())
+        .await
+        .unwrap();
+    let tx = Transaction::new(&t);
+    let tx = tx
+        .update_schema()
+        .add_column(AddColumn::optional(
+            column,
+            iceberg::spec::Type::Primitive(iceberg::spec::PrimitiveType::String),
+        ))
+        .apply(tx)
+        .unwrap();
+    tx.commit(c.as_ref()).await.unwrap();
+}
