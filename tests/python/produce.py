@@ -7,6 +7,9 @@ format, schemas registered through the registry's REST API.
 Each input line is a JSON object, one of:
 - `{"avro": SCHEMA}`: values from here on are Avro with SCHEMA (a JSON
   object or its text), registered under the subject the strategy names;
+- `{"protobuf": HEX, "message": NAME}`: values from here on are Protobuf
+  messages NAME (full name) of the file in the serialized
+  `FileDescriptorSet` HEX, given in V as proto3 JSON (`ParseDict`);
 - `{"value": V, "key": K, "partition": P, "headers": {...}}`: a record
   (`key`, `partition` and `headers` optional; a string key is sent as
   UTF-8). In V, `{"$decimal": "12.50"}` is a decimal, `{"$bytes": "0a1b"}`
@@ -39,6 +42,7 @@ from confluent_kafka.schema_registry import (
     topic_subject_name_strategy,
 )
 from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 STRATEGIES = {
@@ -58,6 +62,28 @@ def python_value(v):
     if isinstance(v, list):
         return [python_value(x) for x in v]
     return v
+
+
+def protobuf_serializer(registry, strategy, item):
+    """A serializer of the message `item["message"]` of the files in the
+    serialized `FileDescriptorSet` `item["protobuf"]` (hex)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+    from google.protobuf import timestamp_pb2, wrappers_pb2  # noqa: F401 (in the default pool)
+
+    files = descriptor_pb2.FileDescriptorSet.FromString(bytes.fromhex(item["protobuf"]))
+    pool = descriptor_pool.Default()
+    for f in files.file:
+        try:
+            pool.FindFileByName(f.name)
+        except KeyError:
+            pool.Add(f)
+    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName(item["message"]))
+    inner = ProtobufSerializer(cls, registry, {"subject.name.strategy": strategy})
+
+    def serialize(value, ctx):
+        return inner(json_format.ParseDict(value, cls()), ctx)
+
+    return serialize
 
 
 def main():
@@ -96,6 +122,9 @@ def main():
         if "wait_for_file" in item:
             while not os.path.exists(item["wait_for_file"]):
                 time.sleep(0.05)
+            continue
+        if "protobuf" in item:
+            serializer = protobuf_serializer(registry, strategy, item)
             continue
         if "avro" in item:
             schema = item["avro"]

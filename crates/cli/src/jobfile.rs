@@ -165,6 +165,9 @@ pub struct RegistrySection {
     /// name>` or `topic-record:<full name>`, as the producers'
     /// `subject.name.strategy`.
     pub subject: Option<String>,
+    /// Protobuf: the message (full name) whose fields make the columns
+    /// when `fields` is absent (default the schema's first message).
+    pub message: Option<String>,
 }
 
 /// Bytes of a record (its value with `format = "raw"`, its key) as a

@@ -209,9 +209,10 @@ pub(crate) fn column_type(field: &Field) -> Result<ColumnType, String> {
 
 /// The value's format: `json` (the declared fields) or `raw` (one column).
 fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
-    let avro = match s.format.as_deref().map(str::trim) {
-        None | Some("json") => false,
-        Some("avro") => true,
+    let (avro, protobuf) = match s.format.as_deref().map(str::trim) {
+        None | Some("json") => (false, false),
+        Some("avro") => (true, false),
+        Some("protobuf") => (false, true),
         Some("raw") => {
             let what = "with format = \"raw\" the value is one column (source.value)";
             if !s.fields.is_empty() {
@@ -230,14 +231,14 @@ fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
         Some(other) => {
             return Err(err(
                 "source.format",
-                format!("`{other}`: expected json, avro or raw"),
+                format!("`{other}`: expected json, avro, protobuf or raw"),
             ));
         }
     };
     if s.value.is_some() {
         return Err(err(
             "source.value",
-            "only with format = \"raw\"; a JSON or Avro value's columns are source.fields",
+            "only with format = \"raw\"; a JSON, Avro or Protobuf value's columns are source.fields",
         ));
     }
     if avro {
@@ -265,8 +266,29 @@ fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
         }
         return Ok(format);
     }
-    if s.registry.is_some() {
-        return Err(err("source.registry", "only with format = \"avro\""));
+    let registry = if protobuf {
+        Some(registry_config(s)?)
+    } else if s.registry.is_some() {
+        return Err(err(
+            "source.registry",
+            "only with format = \"avro\" or \"protobuf\"",
+        ));
+    } else {
+        None
+    };
+    if let (Some(registry), true) = (&registry, s.fields.is_empty()) {
+        let Some(fetched) = &s.registry_schema else {
+            return Err(err(
+                "source.fields",
+                "absent, and the registry's schema was not fetched (JobFile::resolve_schema)",
+            ));
+        };
+        let schema = table_schema(fetched).map_err(|m| err("source.registry", m))?;
+        let mut format = JsonArrow::protobuf(schema, registry.clone());
+        if s.strict {
+            format = format.strict();
+        }
+        return Ok(format);
     }
     if s.fields.is_empty() {
         return Err(err(
@@ -274,7 +296,11 @@ fn value_format(s: &SourceSection) -> Result<JsonArrow, JobFileError> {
             "expected at least one [[source.fields]]",
         ));
     }
-    let mut format = JsonArrow::new(Arc::new(Schema::new(declared_fields(s, false)?)));
+    let declared = Arc::new(Schema::new(declared_fields(s, protobuf)?));
+    let mut format = match registry {
+        Some(registry) => JsonArrow::protobuf(declared, registry),
+        None => JsonArrow::new(declared),
+    };
     if s.strict {
         format = format.strict();
     }
@@ -692,9 +718,15 @@ impl JobFile {
     /// schema without Iceberg types are the job file's (exit 2).
     pub async fn resolve_schema(mut self) -> anyhow::Result<JobFile> {
         let s = &self.source;
-        if s.format.as_deref().map(str::trim) != Some("avro") || !s.fields.is_empty() {
+        let format = s.format.as_deref().map(str::trim);
+        if !matches!(format, Some("avro" | "protobuf")) || !s.fields.is_empty() {
             return Ok(self);
         }
+        let kind = if format == Some("avro") {
+            "AVRO"
+        } else {
+            "PROTOBUF"
+        };
         let registry = tinyflow_connectors_kafka::registry::Registry::new(registry_config(s)?)
             .map_err(|e| err("source.registry", e.to_string()))?;
         let subject = subject_of(s)?;
@@ -709,23 +741,28 @@ impl JobFile {
                 .into());
             }
         };
-        if latest.schema_type != "AVRO" {
+        if latest.schema_type != kind {
             return Err(err(
                 "source.registry",
                 format!(
-                    "the latest schema of subject {subject:?} (id {}) is {}, not Avro",
+                    "the latest schema of subject {subject:?} (id {}) is {}, not {kind}",
                     latest.id, latest.schema_type
                 ),
             )
             .into());
         }
-        let decoded =
-            tinyflow_connectors_kafka::avro_arrow_schema(&latest.schema).map_err(|m| {
-                err(
-                    "source.registry",
-                    format!("subject {subject:?}, schema id {}: {m}", latest.id),
-                )
-            })?;
+        let message = s.registry.as_ref().and_then(|r| r.message.as_deref());
+        let decoded = if kind == "AVRO" {
+            tinyflow_connectors_kafka::avro_arrow_schema(&latest.schema)
+        } else {
+            tinyflow_connectors_kafka::protobuf_arrow_schema(&latest.schema, message)
+        }
+        .map_err(|m| {
+            err(
+                "source.registry",
+                format!("subject {subject:?}, schema id {}: {m}", latest.id),
+            )
+        })?;
         tracing::info!(subject = %subject, schema_id = latest.id, registry = %registry.url(), "the columns are the fields of the subject's latest schema");
         self.source.registry_schema = Some(decoded);
         Ok(self)

@@ -146,6 +146,13 @@ enum Value {
         cache: crate::avro::SchemaCache,
         evolution: Option<crate::avro::Evolution>,
     },
+    /// Protobuf in the Confluent wire format, schemas from this registry,
+    /// into the declared columns (through JSON: see `protobuf.rs`).
+    #[cfg(feature = "protobuf")]
+    Protobuf {
+        registry: crate::registry::RegistryConfig,
+        cache: crate::avro::SchemaCache,
+    },
 }
 
 /// A header taken into a column.
@@ -221,6 +228,24 @@ impl JsonArrow {
                 registry,
                 cache: crate::avro::SchemaCache::default(),
                 evolution: None,
+            },
+            ..JsonArrow::new(schema)
+        }
+    }
+
+    /// Protobuf values in the Confluent wire format (a zero byte, the
+    /// writer schema's id, the message indexes, the message), each message
+    /// decoded with its writer schema (fetched from `registry` by id, once)
+    /// and taken into `schema`'s columns by field name as a JSON object
+    /// would be, with the same checks: a column the message lacks is null
+    /// (a required one makes the record bad), a value converts only
+    /// exactly. Feature `protobuf`.
+    #[cfg(feature = "protobuf")]
+    pub fn protobuf(schema: SchemaRef, registry: crate::registry::RegistryConfig) -> Self {
+        JsonArrow {
+            value: Value::Protobuf {
+                registry,
+                cache: crate::avro::SchemaCache::default(),
             },
             ..JsonArrow::new(schema)
         }
@@ -479,6 +504,19 @@ impl KafkaArrowSource {
                 })?;
             }
             Value::Raw(_) => {}
+            #[cfg(feature = "protobuf")]
+            Value::Protobuf { registry, .. } => {
+                self.format.decoder(1).map_err(|e| StreamError::Config {
+                    key: "source.schema",
+                    message: format!("the JSON decoder rejects the declared schema: {e}"),
+                })?;
+                crate::registry::Registry::new(registry.clone()).map_err(|e| {
+                    StreamError::Config {
+                        key: "source.registry",
+                        message: e.to_string(),
+                    }
+                })?;
+            }
             #[cfg(feature = "avro")]
             Value::Avro { registry, .. } => {
                 crate::registry::Registry::new(registry.clone()).map_err(|e| {
@@ -561,6 +599,23 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
                     evolution.clone(),
                     cache.clone(),
                 )),
+                #[cfg(feature = "protobuf")]
+                Value::Protobuf { registry, cache } => Some(
+                    crate::avro::AvroValues::new(
+                        crate::registry::Registry::new(registry.clone()).map_err(|e| {
+                            StreamError::Config {
+                                key: "source.registry",
+                                message: e.to_string(),
+                            }
+                        })?,
+                        value,
+                        self.format.strict,
+                        ctx.name.clone(),
+                        None,
+                        cache.clone(),
+                    )
+                    .protobuf(),
+                ),
                 _ => None,
             },
         };
@@ -936,6 +991,31 @@ impl Decode for ArrowDecoder {
                 let ty = *ty;
                 self.payloads.bad = known;
                 self.raw_batch(polled, ty)
+            }
+            #[cfg(feature = "protobuf")]
+            Value::Protobuf { .. } => {
+                let mut bad = known;
+                let limits = self.payloads.limits;
+                let payloads: Vec<Option<&[u8]>> = polled
+                    .iter()
+                    .zip(bad.iter_mut())
+                    .map(|(p, b)| {
+                        let value = p.msg.payload();
+                        if b.is_none()
+                            && let Some(Err(too_large)) = value.map(|v| limits.check_size(v))
+                        {
+                            *b = Some(too_large);
+                        }
+                        value
+                    })
+                    .collect();
+                let json = self
+                    .avro
+                    .as_mut()
+                    .expect("made at create for Protobuf values")
+                    .protobuf_json(&payloads, &mut bad);
+                let refs: Vec<&[u8]> = json.iter().map(Vec::as_slice).collect();
+                self.payloads.decode_batch_after(&refs, bad)
             }
             #[cfg(feature = "avro")]
             Value::Avro { .. } => {

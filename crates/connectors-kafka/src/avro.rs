@@ -142,6 +142,9 @@ enum Writer {
     Evolve(SchemaRef),
     /// Its records stop the job, for this reason.
     Stop(String),
+    /// A Protobuf schema's file.
+    #[cfg(feature = "protobuf")]
+    Proto(prost_reflect::FileDescriptor),
 }
 
 /// One writer schema's share of a poll: batches decoded so far, each with
@@ -162,6 +165,9 @@ type Fetched = Vec<(
 /// schema.
 pub(crate) struct AvroValues {
     registry: Registry,
+    /// Protobuf values, not Avro.
+    #[cfg(feature = "protobuf")]
+    protobuf: bool,
     target: SchemaRef,
     strict: bool,
     evolution: Option<Evolution>,
@@ -200,6 +206,8 @@ impl AvroValues {
     ) -> Self {
         AvroValues {
             registry,
+            #[cfg(feature = "protobuf")]
+            protobuf: false,
             target: evolution.as_ref().map_or(target, |e| e.evolver.columns()),
             strict,
             evolution,
@@ -232,6 +240,8 @@ impl AvroValues {
         }
         match self.writers.get(&id) {
             Some(Writer::Ready { .. } | Writer::Bad(_)) => false,
+            #[cfg(feature = "protobuf")]
+            Some(Writer::Proto(_)) => false,
             Some(Writer::Evolve(_) | Writer::Stop(_)) => {
                 if self.blocked.is_none() {
                     self.blocked = Some((id, at()));
@@ -245,10 +255,45 @@ impl AvroValues {
         }
     }
 
+    /// For Protobuf values instead of Avro (no schema evolution).
+    #[cfg(feature = "protobuf")]
+    pub(crate) fn protobuf(mut self) -> Self {
+        self.protobuf = true;
+        self.evolution = None;
+        self
+    }
+
     /// What records of writer schema `s` get: decoded, bad, or held back
     /// for schema evolution.
     fn admit(&self, s: crate::registry::RegisteredSchema) -> Writer {
         let id = s.id;
+        #[cfg(feature = "protobuf")]
+        if self.protobuf {
+            if s.schema_type != "PROTOBUF" {
+                return Writer::Bad(BadRecord::new(
+                    BadReason::SchemaMismatch,
+                    format!("schema id {id} is a {} schema, not Protobuf", s.schema_type),
+                ));
+            }
+            if s.has_references {
+                return Writer::Bad(BadRecord::new(
+                    BadReason::SchemaMismatch,
+                    format!(
+                        "schema id {id} imports schemas of other subjects, which is not supported yet (Google's well-known types are)"
+                    ),
+                ));
+            }
+            return match crate::protobuf::compile(&s.schema) {
+                Ok(file) => {
+                    tracing::info!(source = %self.name, schema_id = id, registry = %self.registry.url(), "fetched a writer schema");
+                    Writer::Proto(file)
+                }
+                Err(e) => Writer::Bad(BadRecord::new(
+                    BadReason::SchemaMismatch,
+                    format!("schema id {id}: {e}"),
+                )),
+            };
+        }
         if s.schema_type != "AVRO" {
             return Writer::Bad(BadRecord::new(
                 BadReason::SchemaMismatch,
@@ -477,6 +522,13 @@ impl AvroValues {
                     ));
                 }
                 Some(Writer::Bad(b)) => bad[i] = Some(b.clone()),
+                #[cfg(feature = "protobuf")]
+                Some(Writer::Proto(_)) => {
+                    bad[i] = Some(BadRecord::new(
+                        BadReason::SchemaMismatch,
+                        format!("schema id {id} is Protobuf, the source reads Avro"),
+                    ));
+                }
                 Some(Writer::Evolve(_) | Writer::Stop(_)) => {
                     // must_wait held it back; cannot happen.
                     bad[i] = Some(BadRecord::new(
@@ -575,6 +627,60 @@ impl AvroValues {
             }
         }
         merge_in_order(pieces, bad)
+    }
+}
+
+#[cfg(feature = "protobuf")]
+impl AvroValues {
+    /// Protobuf payloads as JSON objects (empty for a bad one, `bad`
+    /// filled in), for the JSON decoder.
+    pub(crate) fn protobuf_json(
+        &mut self,
+        payloads: &[Option<&[u8]>],
+        bad: &mut [Option<BadRecord>],
+    ) -> Vec<Vec<u8>> {
+        let mut out = vec![Vec::new(); payloads.len()];
+        for (i, payload) in payloads.iter().enumerate() {
+            if bad[i].is_some() {
+                continue;
+            }
+            let undecodable = |m: String| Some(BadRecord::new(BadReason::Undecodable, m));
+            let Some(payload) = payload else {
+                bad[i] = undecodable(
+                    "a record without a value (a tombstone); Protobuf values are expected"
+                        .to_owned(),
+                );
+                continue;
+            };
+            let Some(id) = schema_id(payload) else {
+                bad[i] = undecodable(format!(
+                    "not in the Confluent wire format (a zero byte, then a 4-byte schema id); starts with {:02x?}",
+                    &payload[..payload.len().min(PREFIX)]
+                ));
+                continue;
+            };
+            match self.writers.get(&id) {
+                Some(Writer::Proto(file)) => {
+                    let result =
+                        crate::protobuf::message_indexes(payload).and_then(|(indexes, at)| {
+                            let desc = crate::protobuf::message_at(file, &indexes)?;
+                            crate::protobuf::to_json(&desc, &payload[at..], &mut out[i])
+                        });
+                    if let Err(e) = result {
+                        out[i].clear();
+                        bad[i] = undecodable(format!("schema id {id}: {e}"));
+                    }
+                }
+                Some(Writer::Bad(b)) => bad[i] = Some(b.clone()),
+                _ => {
+                    bad[i] = Some(BadRecord::new(
+                        BadReason::SchemaMismatch,
+                        format!("schema id {id} is not a Protobuf schema the source reads"),
+                    ));
+                }
+            }
+        }
+        out
     }
 }
 

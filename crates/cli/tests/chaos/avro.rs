@@ -1,6 +1,7 @@
-//! Avro topics through the product: records written by Confluent's own
-//! serializer (confluent-kafka's `AvroSerializer`) against a schema
-//! registry, read by `tinyflow run` into Iceberg, read back by pyiceberg.
+//! Avro and Protobuf topics through the product: records written by
+//! Confluent's own serializers (confluent-kafka's `AvroSerializer` and
+//! `ProtobufSerializer`) against a schema registry, read by `tinyflow run`
+//! into Iceberg, read back by pyiceberg.
 
 use super::*;
 use tinyflow_tests::registry::{SchemaRegistry, produce_avro, spawn_produce_avro};
@@ -524,4 +525,179 @@ async fn add_column(dir: &Path, table: &str, column: &str) {
         .apply(tx)
         .unwrap();
     tx.commit(c.as_ref()).await.unwrap();
+}
+
+const ORDER_PROTO: &str = r#"
+syntax = "proto3";
+package shop;
+import "google/protobuf/timestamp.proto";
+
+// First in the file, so that Order's message index is 1, not 0.
+message Header { string v = 1; }
+
+message Order {
+  int64 id = 1;
+  message Address { string city = 1; optional string zip = 2; }
+  message Buyer { string name = 1; Address address = 2; }
+  Buyer buyer = 2;
+  message Item { string sku = 1; int32 qty = 2; }
+  repeated Item items = 3;
+  map<string, int64> tags = 4;
+  enum Status { NEW = 0; PAID = 1; SHIPPED = 2; }
+  Status status = 5;
+  google.protobuf.Timestamp at = 6;
+  bytes blob = 7;
+  optional string note = 8;
+  uint64 big = 9;
+}
+"#;
+
+const PROTO_COLUMNS: [&str; 10] = [
+    "id",
+    "buyer",
+    "items",
+    "tags",
+    "status",
+    "at",
+    "blob",
+    "note",
+    "big",
+    "_kafka_offset",
+];
+
+/// Order `i` in proto3 JSON, and its row as pyiceberg reads it (without
+/// the offset).
+fn proto_order(i: u64) -> (serde_json::Value, Vec<serde_json::Value>) {
+    use base64::Engine as _;
+    let address = (!i.is_multiple_of(3)).then(|| {
+        let zip = i.is_multiple_of(2).then(|| format!("{i:05}"));
+        (format!("city {}", i % 7), zip)
+    });
+    let mut buyer = json!({"name": format!("buyer {i}")});
+    let mut buyer_read = json!({"name": format!("buyer {i}"), "address": null});
+    if let Some((city, zip)) = &address {
+        let mut a = json!({"city": city});
+        if let Some(z) = zip {
+            a["zip"] = json!(z);
+        }
+        buyer["address"] = a;
+        buyer_read["address"] = json!({"city": city, "zip": zip});
+    }
+    let items: Vec<serde_json::Value> = (0..i % 4)
+        .map(|k| json!({"sku": format!("sku-{i}-{k}"), "qty": k as i64 - 1}))
+        .collect();
+    let tags: Vec<(String, i64)> = (0..i % 3)
+        .map(|k| (format!("t{k}"), (i * 10 + k) as i64))
+        .collect();
+    let status = ["NEW", "PAID", "SHIPPED"][(i % 3) as usize];
+    let micros = 1_700_000_000_000_000i64 + i as i64 * 1_000_001;
+    let blob = vec![(i % 256) as u8, 0xff, 0x00];
+    let note = i.is_multiple_of(5).then(|| format!("note {i}"));
+    let big = u64::MAX / 2 - i;
+    let mut value = json!({
+        "id": i.to_string(), "buyer": buyer, "items": items,
+        "tags": tags.iter().map(|(k, v)| (k.clone(), json!(v.to_string()))).collect::<serde_json::Map<_, _>>(),
+        "status": status, "at": rfc3339_micros(micros),
+        "blob": base64::engine::general_purpose::STANDARD.encode(&blob),
+        "big": big.to_string(),
+    });
+    if let Some(n) = &note {
+        value["note"] = json!(n);
+    }
+    let read = vec![
+        json!(i),
+        buyer_read,
+        json!(items),
+        json!(tags.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>()),
+        json!(status),
+        json!(chrono_like_micros(micros)),
+        json!(hex(&blob)),
+        json!(note),
+        json!(big),
+    ];
+    (value, read)
+}
+
+fn rfc3339_micros(micros: i64) -> String {
+    let (s, us) = (micros.div_euclid(1_000_000), micros.rem_euclid(1_000_000));
+    let days = s.div_euclid(86_400);
+    let rest = s.rem_euclid(86_400);
+    format!(
+        "{}T{:02}:{:02}:{:02}.{us:06}Z",
+        date_of(days),
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
+/// As pyiceberg's `isoformat()` writes a UTC timestamp of `micros`.
+fn chrono_like_micros(micros: i64) -> String {
+    rfc3339_micros(micros)
+        .replace(".000000Z", "Z")
+        .replace('Z', "+00:00")
+}
+
+/// `proto` compiled by protox into a serialized `FileDescriptorSet`, hex.
+fn descriptor_set_hex(proto: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("shop_order.proto"), proto).unwrap();
+    let set = protox::compile(["shop_order.proto"], [dir.path()]).unwrap();
+    hex(&prost::Message::encode_to_vec(&set))
+}
+
+/// A bounded job of a Protobuf topic written by Confluent's
+/// `ProtobufSerializer` (the message second in its file, so the message
+/// indexes matter), whose columns come from the registry: nested messages,
+/// repeated messages, a map, an enum, a `Timestamp`, bytes, an optional
+/// field and a uint64 become Iceberg columns and pyiceberg reads every row
+/// back value for value. A payload that is not protobuf and one not in the
+/// wire format are bad records (skipped) that take no good one with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protobuf_job_reads_nested_messages_value_for_value_with_columns_from_the_registry() {
+    let registry = SchemaRegistry::start();
+    let (bootstrap, topic) = new_topic("proto-orders").await;
+    let schema = json!({"protobuf": descriptor_set_hex(ORDER_PROTO), "message": "shop.Order"});
+    let n = 300u64;
+    let mut lines = vec![schema];
+    lines.extend(
+        (0..n).map(|i| json!({"value": proto_order(i).0, "partition": i % PARTITIONS as u64})),
+    );
+    produce_avro(&bootstrap, &topic, &registry.url(), &lines, &[]);
+    // Bad: the wire format around bytes that are no Order (field 1 as a
+    // length-delimited field cut short), and JSON.
+    produce_avro(
+        &bootstrap,
+        &topic,
+        &registry.url(),
+        &[
+            json!({"raw": "0000000001020a05ff", "partition": 0}),
+            json!({"raw": hex(br#"{"id": 1}"#), "partition": 1}),
+        ],
+        &[],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let source = format!(
+        r#"bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+format = "protobuf"
+bad_records = "skip"
+metadata_columns = true
+registry = {{ url = "{}", message = "shop.Order" }}"#,
+        registry.url()
+    );
+    let job = bounded_job(&dir, "proto-orders", &source, "shop", "orders");
+    Run::start(&job, &dir, 0).exits_0_within_120_s("a bounded Protobuf job still ran after 120 s");
+    let log = std::fs::read_to_string(dir.join("run-0.log")).unwrap();
+    assert!(
+        log.contains("bad_records=2 (undecodable=2)"),
+        "the two bad records are not counted: {log}"
+    );
+    let mut got = tinyflow_tests::pyiceberg_rows(&dir, "shop.orders", &PROTO_COLUMNS);
+    got.sort_by_key(|r| r[0].as_u64().unwrap());
+    assert_eq!(got.len(), n as usize, "rows");
+    for (i, row) in got.iter().enumerate() {
+        assert_eq!(&row[..9], &proto_order(i as u64).1[..], "row {i}");
+    }
 }
