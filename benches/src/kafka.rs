@@ -64,11 +64,27 @@ pub fn ensure_bids_topic_compressed(
     partitions: i32,
     codec: Option<&str>,
 ) -> Result<BidsTopic, String> {
+    ensure_bids_topic_as(bootstrap, n, partitions, codec, None)
+}
+
+/// As [`ensure_bids_topic_compressed`], the values Avro in the Confluent
+/// wire format with writer schema id `avro_schema_id` when given (a topic
+/// of its own per id).
+pub fn ensure_bids_topic_as(
+    bootstrap: &str,
+    n: u64,
+    partitions: i32,
+    codec: Option<&str>,
+    avro_schema_id: Option<u32>,
+) -> Result<BidsTopic, String> {
     // `v2`: bids carry a sequence number `id` (topics of earlier versions did not).
-    let name = match codec {
+    let mut name = match codec {
         Some(c) => format!("tinyflow-bench-bids-v2-{n}-p{partitions}-{c}"),
         None => format!("tinyflow-bench-bids-v2-{n}-p{partitions}"),
     };
+    if let Some(id) = avro_schema_id {
+        name.push_str(&format!("-avro{id}"));
+    }
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
@@ -112,7 +128,10 @@ pub fn ensure_bids_topic_compressed(
                     started.elapsed().as_secs_f64()
                 );
             }
-            let value = serde_json::to_vec(&bid).expect("a bid serialises");
+            let value = match avro_schema_id {
+                Some(id) => bid.to_avro(id),
+                None => serde_json::to_vec(&bid).expect("a bid serialises"),
+            };
             ((i as u64 % partitions as u64) as i32, value)
         });
     let mut settings = vec![("linger.ms", "20"), ("batch.size", "1000000")];

@@ -24,6 +24,8 @@
 //!   provider (Keycloak), renewed while it reads; a wrong password, an untrusted certificate, a
 //!   plaintext client on the TLS port, a wrong client secret, a token for another audience and
 //!   an unreachable identity provider fail within 30 s saying which setting to check.
+//! - `kafka_avro`: Avro values with a schema registry that requires basic authentication (right
+//!   and wrong credentials), and a registry that is down while records wait for their schema.
 //! - `kafka_raw`: values as they are (string or binary), keys and headers as columns, and
 //!   bytes that are not UTF-8 as bad records.
 //! - `kafka_dead_letter`: the dead-letter topic exactly once across crashes and restarts
@@ -50,6 +52,7 @@ mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_identity;
 mod iceberg_sink;
+mod kafka_avro;
 mod kafka_dead_letter;
 mod kafka_raw;
 mod kafka_secure;

@@ -91,6 +91,34 @@ impl SchemaRegistry {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// Registers Avro `schema` under `subject` as a producer would
+    /// (`POST /subjects/<subject>/versions`): its id.
+    ///
+    /// # Panics
+    /// When the registry does not answer with one.
+    pub fn register(&self, subject: &str, schema: &str) -> u32 {
+        use std::io::Read;
+        let body = serde_json::json!({ "schema": schema }).to_string();
+        let mut stream =
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).expect("the registry listens");
+        write!(
+            stream,
+            "POST /subjects/{subject}/versions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/vnd.schemaregistry.v1+json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .expect("the request is sent");
+        let mut answer = String::new();
+        stream
+            .read_to_string(&mut answer)
+            .expect("the registry answers");
+        let json = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        serde_json::from_str::<serde_json::Value>(json)
+            .ok()
+            .and_then(|v| v.get("id")?.as_u64())
+            .and_then(|id| u32::try_from(id).ok())
+            .unwrap_or_else(|| panic!("the registry did not register the schema: {answer}"))
+    }
+
     /// How many schemas it holds (each registered schema text once).
     pub fn schema_count(&self) -> usize {
         std::fs::read_to_string(&self.state)

@@ -60,8 +60,8 @@ use arrow_schema::{DataType, Field, Schema};
 use metrics_exporter_prometheus::PrometheusHandle;
 use parquet::arrow::ArrowWriter;
 use tinyflow_benches::kafka::{
-    BidsTopic, CpuMeter, CpuUse, bare_consume, bootstrap, ensure_bids_topic_compressed,
-    peak_rss_mb, reset_peak_rss,
+    BidsTopic, CpuMeter, CpuUse, bare_consume, bootstrap, ensure_bids_topic_as, peak_rss_mb,
+    reset_peak_rss,
 };
 use tinyflow_benches::sink_writer_properties;
 use tinyflow_cli::JobFile;
@@ -85,6 +85,9 @@ struct Args {
     compression: Option<String>,
     /// Read over the SASL_SSL listener (`--sasl-ssl`).
     sasl_ssl: bool,
+    /// The bids as Avro in the Confluent wire format (`--format avro`),
+    /// with a schema registry for the job.
+    avro: bool,
 }
 
 fn parse_args() -> Args {
@@ -99,6 +102,7 @@ fn parse_args() -> Args {
         batch_size: None,
         compression: None,
         sasl_ssl: false,
+        avro: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -119,6 +123,14 @@ fn parse_args() -> Args {
                 it.next()
                     .unwrap_or_else(|| usage_error("--compression needs a codec")),
             );
+            continue;
+        }
+        if flag == "--format" {
+            a.avro = match it.next().as_deref() {
+                Some("avro") => true,
+                Some("json") => false,
+                _ => usage_error("--format needs json or avro"),
+            };
             continue;
         }
         if flag == "--source-props" {
@@ -146,7 +158,7 @@ fn parse_args() -> Args {
 
 const USAGE: &str = "usage: pipeline [--records N] [--partitions N] [--latency-rate N] \
 [--latency-secs N] [--skip-python] [--only 1..6]... [--source-props k=v,...] [--batch-size N] \
-[--compression gzip|snappy|lz4|zstd] [--sasl-ssl]
+[--compression gzip|snappy|lz4|zstd] [--sasl-ssl] [--format json|avro]
 (start the broker with `cargo xtask kafka start --secured` and export the lines it prints first)";
 
 /// The options that take a whole number.
@@ -168,6 +180,8 @@ fn usage_error(what: &str) -> ! {
 struct Knobs {
     /// Where the job reads.
     bootstrap: String,
+    /// The schema registry of Avro bids (`--format avro`).
+    registry: Option<String>,
     /// librdkafka settings, `k=v,k=v`.
     props: String,
     /// `source.batch_size`.
@@ -247,6 +261,63 @@ fn bid_schema() -> Arc<Schema> {
         })
         .collect::<Vec<_>>();
     Arc::new(Schema::new(fields))
+}
+
+/// (2) for Avro bids: decode them with arrow-avro (the Confluent framing,
+/// writer schema id `id`) into record batches and write them to one zstd
+/// Parquet file, from values held in memory.
+fn decode_avro_and_write(n: u64, dir: &Path, id: u32) -> Figure {
+    use arrow_avro::reader::ReaderBuilder;
+    use arrow_avro::schema::{AvroSchema, Fingerprint, FingerprintAlgorithm, SchemaStore};
+    let pool: Vec<Vec<u8>> = bids().take(200_000).map(|b| b.to_avro(id)).collect();
+    reset_peak_rss();
+    let mut store = SchemaStore::new_with_type(FingerprintAlgorithm::Id);
+    store
+        .set(
+            Fingerprint::Id(id),
+            AvroSchema::new(tinyflow_cli::nexmark::BID_AVRO_SCHEMA.to_owned()),
+        )
+        .unwrap();
+    let mut decoder = ReaderBuilder::new()
+        .with_writer_schema_store(store)
+        .with_active_fingerprint(Fingerprint::Id(id))
+        .with_batch_size(8192)
+        .build_decoder()
+        .unwrap();
+    let mut file = Some(std::fs::File::create(dir.join("bare-avro.parquet")).unwrap());
+    let mut writer = None;
+    let mut write = |batch: &arrow_array::RecordBatch| {
+        writer
+            .get_or_insert_with(|| {
+                let props = sink_writer_properties(batch);
+                ArrowWriter::try_new(file.take().unwrap(), batch.schema(), Some(props)).unwrap()
+            })
+            .write(batch)
+            .unwrap();
+    };
+    let start = Instant::now();
+    let cpu = CpuMeter::start();
+    for value in pool.iter().cycle().take(n as usize) {
+        let used = decoder.decode(value).unwrap();
+        assert_eq!(used, value.len());
+        if decoder.batch_is_full()
+            && let Some(batch) = decoder.flush().unwrap()
+        {
+            write(&batch);
+        }
+    }
+    if let Some(batch) = decoder.flush().unwrap() {
+        write(&batch);
+    }
+    writer.unwrap().close().unwrap();
+    Figure {
+        events: n,
+        secs: start.elapsed().as_secs_f64(),
+        rss_mb: peak_rss_mb(),
+        cpu: cpu.stop(),
+        read_secs: None,
+        checkpoints: None,
+    }
 }
 
 /// (2): decode JSON bids into record batches and write them to one zstd
@@ -335,6 +406,7 @@ topics = ["{topic}"]
 parallelism = {partitions}
 bounded = {bounded}
 {batch}
+{format}
 properties = {{ {props} }}
 fields = [
 {fields}
@@ -362,6 +434,9 @@ strategy = "none"
         batch = knobs
             .batch_size
             .map_or(String::new(), |b| format!("batch_size = {b}")),
+        format = knobs.registry.as_ref().map_or(String::new(), |r| format!(
+            "format = \"avro\"\nregistry = {{ url = \"{r}\" }}"
+        )),
         dir = dir.display(),
     )
 }
@@ -656,11 +731,21 @@ fn main() {
             .init();
     }
     let handle = tinyflow_cli::install_metrics(None).unwrap();
-    let topic = ensure_bids_topic_compressed(
+    // Avro bids: a schema registry of their schema for the job (the tests'
+    // Confluent-compatible one; stopped when the bench ends).
+    let registry = a.avro.then(tinyflow_tests::registry::SchemaRegistry::start);
+    let avro_id = registry.as_ref().map(|r| {
+        r.register(
+            "tinyflow-bench-bids-value",
+            tinyflow_cli::nexmark::BID_AVRO_SCHEMA,
+        )
+    });
+    let topic = ensure_bids_topic_as(
         &bootstrap(),
         a.records,
         a.partitions,
         a.compression.as_deref(),
+        avro_id,
     )
     .unwrap();
     // Over the SASL_SSL listener: the job and the bare loop alike.
@@ -685,7 +770,12 @@ fn main() {
         .unwrap();
     let _guard = rt.enter();
     println!(
-        "pipeline bench: {n} Nexmark bids as JSON in {} ({} partitions), read over {}",
+        "pipeline bench: {n} Nexmark bids as {} in {} ({} partitions), read over {}",
+        if a.avro {
+            "Avro (Confluent wire format)"
+        } else {
+            "JSON"
+        },
         topic.name,
         topic.partitions,
         if a.sasl_ssl {
@@ -709,6 +799,9 @@ fn main() {
             .map_or_else(bootstrap, |s| s.bootstrap.clone()),
         props: props.join(","),
         batch_size: a.batch_size,
+        registry: registry
+            .as_ref()
+            .map(tinyflow_tests::registry::SchemaRegistry::url),
     };
     let mut bare_settings: Vec<(&str, &str)> = DEFAULT_CLIENT_SETTINGS.to_vec();
     bare_settings.extend(security.iter().map(|(k, v)| (k.as_str(), v.as_str())));
@@ -755,15 +848,19 @@ fn main() {
     });
     let decode = on(2).then(|| {
         eprintln!("(2) bare decode + parquet ...");
-        decode_and_write(n, tmp.path())
+        match avro_id {
+            Some(id) => decode_avro_and_write(n, tmp.path(), id),
+            None => decode_and_write(n, tmp.path()),
+        }
     });
-    let py = if a.python && !a.sasl_ssl && on(5) {
+    // The Python loop and the latency run produce and read JSON bids.
+    let py = if a.python && !a.sasl_ssl && !a.avro && on(5) {
         eprintln!("(5) Python loop ...");
         python(&topic, n, &tmp.path().join("python"))
     } else {
         None
     };
-    let lat = on(6).then(|| {
+    let lat = (on(6) && !a.avro).then(|| {
         eprintln!(
             "latency: {} bids/s for {} s ...",
             a.latency_rate, a.latency_secs
@@ -810,7 +907,14 @@ fn main() {
     };
     let rows = [
         ("(1) bare rdkafka consume loop", &bare),
-        ("(2) bare JSON decode + Parquet write", &decode),
+        (
+            if a.avro {
+                "(2) bare Avro decode + Parquet write"
+            } else {
+                "(2) bare JSON decode + Parquet write"
+            },
+            &decode,
+        ),
         ("(3) tinyflow job, checkpoints every 1 s", &job1s),
         ("(4) tinyflow job, checkpoints off", &off),
         ("(5) Python loop (confluent-kafka + pyiceberg)", &py),

@@ -66,3 +66,40 @@ pub const BID_FIELDS: [(&str, &str); 8] = [
     ("date_time", "long"),
     ("extra", "string"),
 ];
+
+/// The Avro schema of a [`BidJson`]: the same fields, in order, `long` and
+/// `string`.
+pub const BID_AVRO_SCHEMA: &str = r#"{"type":"record","name":"Bid","namespace":"nexmark","fields":[{"name":"id","type":"long"},{"name":"auction","type":"long"},{"name":"bidder","type":"long"},{"name":"price","type":"long"},{"name":"channel","type":"string"},{"name":"url","type":"string"},{"name":"date_time","type":"long"},{"name":"extra","type":"string"}]}"#;
+
+impl BidJson {
+    /// The bid as a Kafka record value in the Confluent wire format: a zero
+    /// byte, `schema_id` (the id of [`BID_AVRO_SCHEMA`] in the registry),
+    /// then the Avro binary datum, byte for byte what Confluent's Avro
+    /// serializer writes.
+    pub fn to_avro(&self, schema_id: u32) -> Vec<u8> {
+        fn long(v: i64, out: &mut Vec<u8>) {
+            let mut z = ((v << 1) ^ (v >> 63)) as u64;
+            while z >= 0x80 {
+                out.push((z as u8) | 0x80);
+                z >>= 7;
+            }
+            out.push(z as u8);
+        }
+        fn string(s: &str, out: &mut Vec<u8>) {
+            long(s.len() as i64, out);
+            out.extend_from_slice(s.as_bytes());
+        }
+        let mut out = Vec::with_capacity(5 + 40 + self.url.len() + self.extra.len());
+        out.push(0);
+        out.extend_from_slice(&schema_id.to_be_bytes());
+        long(self.id as i64, &mut out);
+        long(self.auction as i64, &mut out);
+        long(self.bidder as i64, &mut out);
+        long(self.price as i64, &mut out);
+        string(&self.channel, &mut out);
+        string(&self.url, &mut out);
+        long(self.date_time, &mut out);
+        string(&self.extra, &mut out);
+        out
+    }
+}
