@@ -1,7 +1,7 @@
 //! The tests' Python side, in a virtual environment in
 //! `target/pyiceberg-venv`: pyiceberg (`pyiceberg[sql-sqlite,sql-postgres,pyarrow]`),
 //! the independent reader the Iceberg tests check tables with, and
-//! confluent-kafka with its Avro serializer (fastavro), the ordinary
+//! confluent-kafka with its Avro (fastavro) and Protobuf serializers, the ordinary
 //! producer the Avro tests write topics with (about 40 s the first time,
 //! nothing when it is there already).
 
@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 /// serializers.
 const PACKAGES: &[&str] = &[
     "pyiceberg[sql-sqlite,sql-postgres,pyarrow]==0.12.0",
-    "confluent-kafka[avro,schemaregistry]==2.16.2",
+    "confluent-kafka[avro,protobuf,schemaregistry]==2.16.2",
 ];
 
 /// Where the environment lives: under the shared target dir, so a clean
@@ -35,7 +35,7 @@ pub(crate) fn setup() -> Result<PathBuf> {
         && Command::new(&python)
             .args([
                 "-c",
-                "import pyiceberg, pyarrow, sqlalchemy, psycopg2, fastavro, confluent_kafka.schema_registry.avro",
+                "import pyiceberg, pyarrow, sqlalchemy, psycopg2, fastavro, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.protobuf",
             ])
             .status()
             .is_ok_and(|s| s.success());
