@@ -222,3 +222,69 @@ fn a_column_named_twice_is_refused_before_connecting() {
         "{err}"
     );
 }
+
+/// Every header in one map column: names to values in the order first
+/// sent, a name sent twice with its last value, a header without a value
+/// null, a record without headers an empty map; a value that is not UTF-8
+/// for a string map makes the record bad.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_headers_become_one_map_column() {
+    let topic = fresh_topic("raw-headers-map");
+    create_topic(&bootstrap(), &topic, 1).await.unwrap();
+    let h = |k: &str, v: Option<&str>| (k.to_owned(), v.map(|v| v.as_bytes().to_vec()));
+    let records = [
+        vec![h("trace-id", Some("t1")), h("tenant", Some("eu"))],
+        vec![],
+        vec![h("a", Some("1")), h("b", None), h("a", Some("2"))],
+        vec![("bad".to_owned(), Some(vec![0xff]))],
+        vec![h("z", Some(""))],
+    ];
+    let produce: Vec<ToProduce> = records
+        .iter()
+        .enumerate()
+        .map(|(i, headers)| ToProduce {
+            value: Some(format!("v{i}").into_bytes()),
+            headers: headers.clone(),
+            ..ToProduce::default()
+        })
+        .collect();
+    produce_records(&bootstrap(), &topic, &produce).unwrap();
+    let batches = read_all(
+        &topic,
+        JsonArrow::raw("value", BytesAs::String).with_all_headers("headers", BytesAs::String),
+    )
+    .await;
+    let mut got = Vec::new();
+    for b in &batches {
+        let values = strings(b, "value");
+        let maps = b.column_by_name("headers").unwrap().as_map().clone();
+        for (i, value) in values.into_iter().enumerate() {
+            let entries = maps.value(i);
+            let keys = entries.column(0).as_string::<i32>();
+            let vals = entries.column(1).as_string::<i32>();
+            let pairs: Vec<(String, Option<String>)> = (0..entries.len())
+                .map(|j| {
+                    (
+                        keys.value(j).to_owned(),
+                        vals.is_valid(j).then(|| vals.value(j).to_owned()),
+                    )
+                })
+                .collect();
+            got.push((value.unwrap(), pairs));
+        }
+    }
+    let s = |k: &str, v: Option<&str>| (k.to_owned(), v.map(str::to_owned));
+    assert_eq!(
+        got,
+        vec![
+            (
+                "v0".to_owned(),
+                vec![s("trace-id", Some("t1")), s("tenant", Some("eu"))]
+            ),
+            ("v1".to_owned(), vec![]),
+            ("v2".to_owned(), vec![s("a", Some("2")), s("b", None)]),
+            ("v4".to_owned(), vec![s("z", Some(""))]),
+        ],
+        "the record with a header not UTF-8 is skipped as bad"
+    );
+}

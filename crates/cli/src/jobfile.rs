@@ -80,6 +80,9 @@ pub struct SourceSection {
     /// Headers kept as columns: `[[source.headers]]`.
     #[serde(default)]
     pub headers: Vec<HeaderSection>,
+    /// Every header in one map column, name to value:
+    /// `{ column = "headers", type = "string" }` (or `"binary"`).
+    pub all_headers: Option<BytesColumn>,
     /// `fail` (default), `skip` or `dead-letter:<topic>`.
     pub bad_records: Option<String>,
     /// Read up to the partitions' end offsets at start, then take a final

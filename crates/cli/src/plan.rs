@@ -814,6 +814,10 @@ impl JobFile {
             let ty = bytes_type(&format!("{at}.type"), h.ty.as_deref())?;
             format = format.with_header_column(&h.name, &column, ty);
         }
+        if let Some(all) = &s.all_headers {
+            let (column, ty) = bytes_column("source.all_headers", all, "headers")?;
+            format = format.with_all_headers(&column, ty);
+        }
         if s.metadata_columns {
             format = format.with_metadata_columns();
         }

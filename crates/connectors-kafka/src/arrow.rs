@@ -180,6 +180,8 @@ pub struct JsonArrow {
     value: Value,
     key: Option<(String, BytesAs)>,
     headers: Vec<HeaderColumn>,
+    /// Every header in one map column.
+    all_headers: Option<(String, BytesAs)>,
 }
 
 impl JsonArrow {
@@ -195,6 +197,7 @@ impl JsonArrow {
             value: Value::Json,
             key: None,
             headers: Vec::new(),
+            all_headers: None,
         }
     }
 
@@ -283,8 +286,35 @@ impl JsonArrow {
         self
     }
 
+    /// Appends every header of the record as the map column `column`,
+    /// name to value, after the single headers' columns (empty for a
+    /// record without headers; a header without a value maps to null; a
+    /// name sent twice keeps its last value, so keys are unique).
+    pub fn with_all_headers(mut self, column: &str, ty: BytesAs) -> Self {
+        self.all_headers = Some((column.to_owned(), ty));
+        self
+    }
+
+    /// The type of the map column of all headers.
+    fn headers_map_type(ty: BytesAs) -> DataType {
+        DataType::Map(
+            Arc::new(Field::new(
+                "key_value",
+                DataType::Struct(
+                    vec![
+                        Field::new("key", DataType::Utf8, false),
+                        Field::new("value", ty.data_type(), true),
+                    ]
+                    .into(),
+                ),
+                false,
+            )),
+            false,
+        )
+    }
+
     /// The columns after the value's, in order: the key, the headers, the
-    /// metadata columns.
+    /// map of all headers, the metadata columns.
     fn extra_fields(&self) -> Vec<Field> {
         let mut fields = Vec::new();
         if let Some((name, ty)) = &self.key {
@@ -292,6 +322,9 @@ impl JsonArrow {
         }
         for h in &self.headers {
             fields.push(Field::new(&h.column, h.ty.data_type(), true));
+        }
+        if let Some((name, ty)) = &self.all_headers {
+            fields.push(Field::new(name, Self::headers_map_type(*ty), false));
         }
         if self.metadata {
             fields.push(Field::new(METADATA_COLUMNS[0], DataType::Utf8, false));
@@ -825,12 +858,19 @@ impl ArrowDecoder {
         {
             return Some(bad);
         }
-        format.headers.iter().find_map(|h| {
+        if let Some(bad) = format.headers.iter().find_map(|h| {
             h.ty.check(
                 || format!("header `{}`", h.header),
                 header(&p.msg, &h.header),
             )
-        })
+        }) {
+            return Some(bad);
+        }
+        let (_, ty) = format.all_headers.as_ref()?;
+        let headers = p.msg.headers()?;
+        headers
+            .iter()
+            .find_map(|h| ty.check(|| format!("header `{}`", h.key), h.value))
     }
 
     /// The raw values of the records not known bad (`self.payloads.bad`),
@@ -879,7 +919,11 @@ impl ArrowDecoder {
         good: &[&Polled<'_>],
     ) -> Result<RecordBatch, String> {
         let format = &self.payloads.format;
-        if format.key.is_none() && format.headers.is_empty() && !format.metadata {
+        if format.key.is_none()
+            && format.headers.is_empty()
+            && format.all_headers.is_none()
+            && !format.metadata
+        {
             return Ok(batch);
         }
         let not_utf8 = || "a key or header not UTF-8 passed the check".to_owned();
@@ -896,6 +940,9 @@ impl ArrowDecoder {
                 h.ty.column(good.iter().map(|p| header(&p.msg, &h.header)))
                     .ok_or_else(not_utf8)?,
             );
+        }
+        if let Some((_, ty)) = &format.all_headers {
+            columns.push(headers_map(good, *ty).ok_or_else(not_utf8)?);
         }
         if format.metadata {
             columns.push(Arc::new(StringArray::from_iter_values(
@@ -914,6 +961,51 @@ impl ArrowDecoder {
         columns.extend(batch.columns()[declared..].iter().cloned());
         RecordBatch::try_new(Arc::clone(&self.output), columns).map_err(|e| e.to_string())
     }
+}
+
+/// Every header of each of `records` as one map column (see
+/// [`JsonArrow::with_all_headers`]); `None` if a value is not UTF-8 for a
+/// string map (checked before).
+fn headers_map(records: &[&Polled<'_>], ty: BytesAs) -> Option<ArrayRef> {
+    let mut offsets = Vec::with_capacity(records.len() + 1);
+    offsets.push(0i32);
+    let mut keys: Vec<&str> = Vec::new();
+    let mut values: Vec<Option<&[u8]>> = Vec::new();
+    for p in records {
+        let start = keys.len();
+        if let Some(headers) = p.msg.headers() {
+            for h in headers.iter() {
+                // The last value of a name sent twice.
+                match keys[start..].iter().position(|k| *k == h.key) {
+                    Some(i) => values[start + i] = h.value,
+                    None => {
+                        keys.push(h.key);
+                        values.push(h.value);
+                    }
+                }
+            }
+        }
+        offsets.push(i32::try_from(keys.len()).ok()?);
+    }
+    let DataType::Map(entries, _) = JsonArrow::headers_map_type(ty) else {
+        return None;
+    };
+    let DataType::Struct(kv) = entries.data_type() else {
+        return None;
+    };
+    let key_array: ArrayRef = Arc::new(StringArray::from(keys));
+    let value_array = ty.column(values.into_iter())?;
+    let struct_array =
+        arrow_array::StructArray::try_new(kv.clone(), vec![key_array, value_array], None).ok()?;
+    arrow_array::MapArray::try_new(
+        entries,
+        arrow_buffer::OffsetBuffer::new(offsets.into()),
+        struct_array,
+        None,
+        false,
+    )
+    .ok()
+    .map(|m| Arc::new(m) as ArrayRef)
 }
 
 /// Event time in ms of each row of `column`.
