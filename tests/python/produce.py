@@ -7,6 +7,8 @@ format, schemas registered through the registry's REST API.
 Each input line is a JSON object, one of:
 - `{"avro": SCHEMA}`: values from here on are Avro with SCHEMA (a JSON
   object or its text), registered under the subject the strategy names;
+- `{"avro_key": SCHEMA}`: keys from here on are Avro with SCHEMA (subject
+  `<topic>-key`); a record's `key` is then its value as fastavro takes it;
 - `{"protobuf": HEX, "message": NAME}`: values from here on are Protobuf
   messages NAME (full name) of the file in the serialized
   `FileDescriptorSet` HEX, given in V as proto3 JSON (`ParseDict`);
@@ -107,6 +109,7 @@ def main():
             failed.append(str(err))
 
     serializer = None
+    key_serializer = None
     sent = 0
     for n, line in enumerate(sys.stdin, 1):
         line = line.strip()
@@ -125,6 +128,12 @@ def main():
             continue
         if "protobuf" in item:
             serializer = protobuf_serializer(registry, strategy, item)
+            continue
+        if "avro_key" in item:
+            schema = item["avro_key"]
+            if not isinstance(schema, str):
+                schema = json.dumps(schema)
+            key_serializer = AvroSerializer(registry, schema)
             continue
         if "avro" in item:
             schema = item["avro"]
@@ -147,7 +156,9 @@ def main():
             ctx = SerializationContext(topic, MessageField.VALUE)
             value = serializer(python_value(item["value"]), ctx)
         key = item.get("key")
-        if isinstance(key, str):
+        if key is not None and key_serializer is not None:
+            key = key_serializer(python_value(key), SerializationContext(topic, MessageField.KEY))
+        elif isinstance(key, str):
             key = key.encode()
         while True:
             try:

@@ -75,7 +75,8 @@ pub struct SourceSection {
     pub registry: Option<RegistrySection>,
     /// `raw` only: the value's column (default `value`, `string`).
     pub value: Option<BytesColumn>,
-    /// The record's key as a column (default: not kept).
+    /// The record's key as a column (default: not kept); `type = "avro"`
+    /// decodes it with the value's registry into a struct column.
     pub key: Option<BytesColumn>,
     /// Headers kept as columns: `[[source.headers]]`.
     #[serde(default)]
@@ -121,6 +122,10 @@ pub struct SourceSection {
     /// [`JobFile::resolve_schema`] fetched it.
     #[serde(skip)]
     pub registry_schema: Option<arrow_schema::SchemaRef>,
+    /// With an Avro key: the latest schema of subject `<topic>-key`, as
+    /// [`JobFile::resolve_schema`] fetched it.
+    #[serde(skip)]
+    pub registry_key_schema: Option<arrow_schema::SchemaRef>,
     /// `[source.event_time]`
     pub event_time: Option<EventTimeSection>,
     /// A larger record value is bad (`too_large`); default 8 MiB.

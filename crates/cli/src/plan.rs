@@ -718,6 +718,36 @@ impl JobFile {
     /// schema without Iceberg types are the job file's (exit 2).
     pub async fn resolve_schema(mut self) -> anyhow::Result<JobFile> {
         let s = &self.source;
+        let avro_key = s
+            .key
+            .as_ref()
+            .is_some_and(|k| k.ty.as_deref().map(str::trim) == Some("avro"));
+        if avro_key && s.format.as_deref().map(str::trim) == Some("avro") {
+            let registry = tinyflow_connectors_kafka::registry::Registry::new(registry_config(s)?)
+                .map_err(|e| err("source.registry", e.to_string()))?;
+            let topic = s.topics.first().cloned().unwrap_or_default();
+            let subject = format!("{topic}-key");
+            let latest = match registry.latest(&subject).await {
+                Ok(l) => l,
+                Err(e) if e.is_transient() => return Err(anyhow::Error::new(e)),
+                Err(e) => {
+                    return Err(err(
+                        "source.key",
+                        format!("an Avro key's columns come from the latest schema of subject {subject:?}: {e}"),
+                    )
+                    .into());
+                }
+            };
+            let decoded =
+                tinyflow_connectors_kafka::avro_arrow_schema(&latest.schema).map_err(|m| {
+                    err(
+                        "source.key",
+                        format!("subject {subject:?}, schema id {}: {m}", latest.id),
+                    )
+                })?;
+            self.source.registry_key_schema = Some(decoded);
+        }
+        let s = &self.source;
         let format = s.format.as_deref().map(str::trim);
         if !matches!(format, Some("avro" | "protobuf")) || !s.fields.is_empty() {
             return Ok(self);
@@ -802,8 +832,26 @@ impl JobFile {
         let mut format = value_format(s)?;
         let value_columns = format.output_schema();
         if let Some(key) = &s.key {
-            let (column, ty) = bytes_column("source.key", key, "key")?;
-            format = format.with_key_column(&column, ty);
+            if key.ty.as_deref().map(str::trim) == Some("avro") {
+                if s.format.as_deref().map(str::trim) != Some("avro") {
+                    return Err(err(
+                        "source.key.type",
+                        "`avro` needs Avro values (source.format = \"avro\"): the key uses their registry",
+                    ));
+                }
+                let Some(fetched) = &s.registry_key_schema else {
+                    return Err(err(
+                        "source.key",
+                        "the key's schema was not fetched from the registry (JobFile::resolve_schema)",
+                    ));
+                };
+                let fields = table_schema(fetched).map_err(|m| err("source.key", m))?;
+                let column = key.column.clone().unwrap_or_else(|| "key".to_owned());
+                format = format.with_avro_key_column(&column, fields);
+            } else {
+                let (column, ty) = bytes_column("source.key", key, "key")?;
+                format = format.with_key_column(&column, ty);
+            }
         }
         for (i, h) in s.headers.iter().enumerate() {
             let at = format!("source.headers[{i}]");

@@ -182,6 +182,10 @@ pub struct JsonArrow {
     headers: Vec<HeaderColumn>,
     /// Every header in one map column.
     all_headers: Option<(String, BytesAs)>,
+    /// The key decoded as Avro (with the value's registry) into a struct
+    /// column of these fields.
+    #[cfg(feature = "avro")]
+    avro_key: Option<(String, SchemaRef)>,
 }
 
 impl JsonArrow {
@@ -198,6 +202,8 @@ impl JsonArrow {
             key: None,
             headers: Vec::new(),
             all_headers: None,
+            #[cfg(feature = "avro")]
+            avro_key: None,
         }
     }
 
@@ -286,6 +292,18 @@ impl JsonArrow {
         self
     }
 
+    /// Appends the record's key, Avro in the Confluent wire format
+    /// (writer schemas from the value's registry), as the nullable struct
+    /// column `column` of `fields` (null for a record without a key),
+    /// where [`with_key_column`](Self::with_key_column) puts a key. A key
+    /// that does not decode makes its record bad. Only with Avro values.
+    #[cfg(feature = "avro")]
+    pub fn with_avro_key_column(mut self, column: &str, fields: SchemaRef) -> Self {
+        self.key = None;
+        self.avro_key = Some((column.to_owned(), fields));
+        self
+    }
+
     /// Appends every header of the record as the map column `column`,
     /// name to value, after the single headers' columns (empty for a
     /// record without headers; a header without a value maps to null; a
@@ -319,6 +337,14 @@ impl JsonArrow {
         let mut fields = Vec::new();
         if let Some((name, ty)) = &self.key {
             fields.push(Field::new(name, ty.data_type(), true));
+        }
+        #[cfg(feature = "avro")]
+        if let Some((name, key)) = &self.avro_key {
+            fields.push(Field::new(
+                name,
+                DataType::Struct(key.fields().clone()),
+                true,
+            ));
         }
         for h in &self.headers {
             fields.push(Field::new(&h.column, h.ty.data_type(), true));
@@ -521,6 +547,13 @@ impl KafkaArrowSource {
     /// connecting.
     pub fn validate(&self) -> StreamResult<()> {
         self.config.validate_limits()?;
+        #[cfg(feature = "avro")]
+        if self.format.avro_key.is_some() && !matches!(self.format.value, Value::Avro { .. }) {
+            return Err(StreamError::Config {
+                key: "source.key",
+                message: "an Avro key needs Avro values (source.format = \"avro\"): it uses their registry".to_owned(),
+            });
+        }
         if let Some(name) = self.format.duplicate_column() {
             return Err(StreamError::Config {
                 key: "source.schema",
@@ -608,9 +641,35 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
         self.validate()?;
         // The columns now (they may have grown since the plan).
         let value = self.format.value_columns();
+        #[cfg(feature = "avro")]
+        let avro_keys = match (&self.format.avro_key, &self.format.value) {
+            (
+                Some((_, fields)),
+                Value::Avro {
+                    registry, cache, ..
+                },
+            ) => Some(crate::avro::AvroValues::new(
+                crate::registry::Registry::new(registry.clone()).map_err(|e| {
+                    StreamError::Config {
+                        key: "source.registry",
+                        message: e.to_string(),
+                    }
+                })?,
+                Arc::clone(fields),
+                false,
+                format!("{} (keys)", ctx.name),
+                None,
+                cache.clone(),
+            )),
+            _ => None,
+        };
         let decoder = ArrowDecoder {
+            #[cfg(feature = "avro")]
+            avro_keys,
             payloads: JsonArrowDecoder::with_limits(&self.format, self.config.limits()),
             output: self.format.output_for(&value),
+            #[cfg(feature = "avro")]
+            key_column: None,
             declared: self.format.schema.fields().len(),
             from: self.event_time.as_ref().map(|e| e.from.clone()),
             #[cfg(feature = "avro")]
@@ -836,6 +895,12 @@ struct ArrowDecoder {
     /// The Avro decoder, for Avro values.
     #[cfg(feature = "avro")]
     avro: Option<crate::avro::AvroValues>,
+    /// The Avro decoder of keys, for Avro keys.
+    #[cfg(feature = "avro")]
+    avro_keys: Option<crate::avro::AvroValues>,
+    /// The key column of this poll's good records, when keys are Avro.
+    #[cfg(feature = "avro")]
+    key_column: Option<ArrayRef>,
 }
 
 /// The value of `msg`'s last header named `name`, if it has one with a
@@ -919,7 +984,12 @@ impl ArrowDecoder {
         good: &[&Polled<'_>],
     ) -> Result<RecordBatch, String> {
         let format = &self.payloads.format;
+        #[cfg(feature = "avro")]
+        let avro_key = format.avro_key.is_some();
+        #[cfg(not(feature = "avro"))]
+        let avro_key = false;
         if format.key.is_none()
+            && !avro_key
             && format.headers.is_empty()
             && format.all_headers.is_none()
             && !format.metadata
@@ -933,6 +1003,14 @@ impl ArrowDecoder {
             columns.push(
                 ty.column(good.iter().map(|p| p.msg.key()))
                     .ok_or_else(not_utf8)?,
+            );
+        }
+        #[cfg(feature = "avro")]
+        if avro_key {
+            columns.push(
+                self.key_column
+                    .clone()
+                    .ok_or_else(|| "the keys of the poll were not decoded".to_owned())?,
             );
         }
         for h in &format.headers {
@@ -960,6 +1038,72 @@ impl ArrowDecoder {
         }
         columns.extend(batch.columns()[declared..].iter().cloned());
         RecordBatch::try_new(Arc::clone(&self.output), columns).map_err(|e| e.to_string())
+    }
+}
+
+/// The Avro keys of a poll: the decoded keys, and for each record the row
+/// of its key (`None`: no key, or a bad one).
+#[cfg(feature = "avro")]
+struct DecodedKeys {
+    batch: Option<RecordBatch>,
+    rows: Vec<Option<u32>>,
+    fields: arrow_schema::Fields,
+}
+
+#[cfg(feature = "avro")]
+impl DecodedKeys {
+    /// The key column of the records `bad` leaves good, in order.
+    fn column_for(self, bad: &[Option<BadRecord>]) -> Option<ArrayRef> {
+        let indices: arrow_array::UInt32Array = self
+            .rows
+            .iter()
+            .zip(bad)
+            .filter(|(_, b)| b.is_none())
+            .map(|(r, _)| *r)
+            .collect();
+        let keys: ArrayRef = match self.batch {
+            Some(b) => Arc::new(arrow_array::StructArray::from(b)),
+            None => arrow_array::new_null_array(&DataType::Struct(self.fields.clone()), 0),
+        };
+        arrow_select::take::take(keys.as_ref(), &indices, None).ok()
+    }
+}
+
+#[cfg(feature = "avro")]
+impl ArrowDecoder {
+    /// Decodes the Avro keys of `polled` (a record without a key has a
+    /// null one), marking records with a bad key in `bad`.
+    fn decode_avro_keys(
+        &mut self,
+        polled: &[Polled<'_>],
+        bad: &mut [Option<BadRecord>],
+    ) -> Option<DecodedKeys> {
+        let fields = self.payloads.format.avro_key.as_ref()?.1.fields().clone();
+        let decoder = self.avro_keys.as_mut()?;
+        let with_key: Vec<usize> = (0..polled.len())
+            .filter(|&i| bad[i].is_none() && polled[i].msg.key().is_some())
+            .collect();
+        let payloads: Vec<Option<&[u8]>> = with_key.iter().map(|&i| polled[i].msg.key()).collect();
+        let mut key_bad = vec![None; with_key.len()];
+        let batch = decoder.decode(&payloads, &mut key_bad);
+        let mut rows = vec![None; polled.len()];
+        let mut next = 0u32;
+        for (k, &i) in with_key.iter().enumerate() {
+            match key_bad[k].take() {
+                Some(b) => {
+                    bad[i] = Some(BadRecord::new(b.reason, format!("the key: {}", b.detail)));
+                }
+                None => {
+                    rows[i] = Some(next);
+                    next += 1;
+                }
+            }
+        }
+        Some(DecodedKeys {
+            batch,
+            rows,
+            fields,
+        })
     }
 }
 
@@ -1046,19 +1190,29 @@ impl Decode for ArrowDecoder {
 
     #[cfg(feature = "avro")]
     fn must_wait(&mut self, msg: &rdkafka::message::BorrowedMessage<'_>) -> bool {
-        self.avro.as_mut().is_some_and(|a| {
-            a.must_wait(msg.payload(), || {
-                format!("{}/{}@{}", msg.topic(), msg.partition(), msg.offset())
-            })
-        })
+        let at = || format!("{}/{}@{}", msg.topic(), msg.partition(), msg.offset());
+        let value = self
+            .avro
+            .as_mut()
+            .is_some_and(|a| a.must_wait(msg.payload(), at));
+        let key = self
+            .avro_keys
+            .as_mut()
+            .is_some_and(|a| msg.key().is_some() && a.must_wait(msg.key(), at));
+        value || key
     }
 
     #[cfg(feature = "avro")]
     async fn ready(&mut self, max: std::time::Duration) -> StreamResult<bool> {
-        match self.avro.as_mut() {
-            Some(a) => a.ready(max).await,
-            None => Ok(true),
-        }
+        let values = match self.avro.as_mut() {
+            Some(a) => a.ready(max).await?,
+            None => true,
+        };
+        let keys = match self.avro_keys.as_mut() {
+            Some(a) => a.ready(max).await?,
+            None => true,
+        };
+        Ok(values && keys)
     }
 
     fn decode(
@@ -1112,6 +1266,7 @@ impl Decode for ArrowDecoder {
             #[cfg(feature = "avro")]
             Value::Avro { .. } => {
                 let mut bad = known;
+                let keys = self.decode_avro_keys(polled, &mut bad);
                 let limits = self.payloads.limits;
                 let payloads: Vec<Option<&[u8]>> = polled
                     .iter()
@@ -1131,6 +1286,7 @@ impl Decode for ArrowDecoder {
                     .as_mut()
                     .expect("made at create for Avro values")
                     .decode(&payloads, &mut bad);
+                self.key_column = keys.and_then(|k| k.column_for(&bad));
                 self.payloads.bad = bad;
                 batch
             }

@@ -701,3 +701,73 @@ registry = {{ url = "{}", message = "shop.Order" }}"#,
         assert_eq!(&row[..9], &proto_order(i as u64).1[..], "row {i}");
     }
 }
+
+/// Avro keys (as Debezium and Kafka Connect write them: a record of the
+/// row's key fields, subject `<topic>-key`) become a struct column beside
+/// the value's; a record without a key has a null one, a key that is no
+/// Avro datum of its schema makes its record bad (skipped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_avro_key_becomes_a_struct_column() {
+    let registry = SchemaRegistry::start();
+    let (bootstrap, topic) = new_topic("avro-keys").await;
+    let key_schema = json!({"type": "record", "name": "Key", "namespace": "shop",
+        "fields": [{"name": "id", "type": "long"}, {"name": "region", "type": "string"}]});
+    let value_schema = json!({"type": "record", "name": "Row", "namespace": "shop",
+        "fields": [{"name": "id", "type": "long"}, {"name": "qty", "type": "int"}]});
+    let n = 200u64;
+    let mut lines = vec![
+        json!({"avro_key": key_schema}),
+        json!({"avro": value_schema}),
+    ];
+    lines.extend((0..n).map(|i| {
+        let mut line =
+            json!({"value": {"id": i, "qty": i % 7}, "partition": i % PARTITIONS as u64});
+        if !i.is_multiple_of(10) {
+            line["key"] = json!({"id": i, "region": format!("r{}", i % 3)});
+        }
+        line
+    }));
+    produce_avro(&bootstrap, &topic, &registry.url(), &lines, &[]);
+    // A good value with a key that is plain text, not Avro: bad.
+    produce_avro(
+        &bootstrap,
+        &topic,
+        &registry.url(),
+        &[
+            json!({"avro": value_schema}),
+            json!({"value": {"id": 999, "qty": 1}, "key": "plain-text", "partition": 0}),
+        ],
+        &[],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let source = format!(
+        r#"bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+format = "avro"
+bad_records = "skip"
+registry = {{ url = "{}" }}
+key = {{ column = "k", type = "avro" }}"#,
+        registry.url()
+    );
+    let job = bounded_job(&dir, "avro-keys", &source, "shop", "rows");
+    Run::start(&job, &dir, 0)
+        .exits_0_within_120_s("a bounded job with Avro keys still ran after 120 s");
+    let log = std::fs::read_to_string(dir.join("run-0.log")).unwrap();
+    assert!(
+        log.contains("bad_records=1 (undecodable=1)"),
+        "the bad key is not counted: {log}"
+    );
+    let mut got = tinyflow_tests::pyiceberg_rows(&dir, "shop.rows", &["id", "qty", "k"]);
+    got.sort_by_key(|r| r[0].as_u64().unwrap());
+    assert_eq!(got.len(), n as usize, "rows");
+    for (i, row) in got.iter().enumerate() {
+        let i = i as u64;
+        let key = if i.is_multiple_of(10) {
+            json!(null)
+        } else {
+            json!({"id": i, "region": format!("r{}", i % 3)})
+        };
+        assert_eq!(row, &vec![json!(i), json!(i % 7), key], "row {i}");
+    }
+}
