@@ -151,3 +151,68 @@ async fn records_whose_registry_is_down_wait_and_are_read_once_it_answers() {
     ids.sort_unstable();
     assert_eq!(ids, (0..n as i64).collect::<Vec<_>>(), "every record once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_registry_is_read_with_its_ca_and_refused_at_once_without_it() {
+    let registry = SchemaRegistry::start_tls();
+    let n = 100;
+    let topic = topic_via(&registry, n).await;
+    let trusted = RegistryConfig::new(registry.url()).ca_location(registry.ca_pem());
+    let mut reader =
+        KafkaArrowSource::new(source_config(&topic, &fresh_topic("g")), format(trusted))
+            .create(&ctx(), &[])
+            .unwrap();
+    let mut ids = Vec::new();
+    while let Some(batches) = reader.next_batch().await.unwrap() {
+        for b in batches {
+            ids.extend(
+                b.column(0)
+                    .as_primitive::<Int64Type>()
+                    .values()
+                    .iter()
+                    .copied(),
+            );
+        }
+    }
+    ids.sort_unstable();
+    assert_eq!(ids, (0..n as i64).collect::<Vec<_>>());
+
+    let untrusted = RegistryConfig::new(registry.url());
+    let mut reader =
+        KafkaArrowSource::new(source_config(&topic, &fresh_topic("g")), format(untrusted))
+            .create(&ctx(), &[])
+            .unwrap();
+    let failed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match reader.next_batch().await {
+                Ok(Some(b)) => assert!(b.is_empty(), "records read without their schema"),
+                Ok(None) => panic!("the source ended without its schema"),
+                Err(e) => return e,
+            }
+        }
+    })
+    .await
+    .expect("an untrusted certificate must fail the source, not stall it");
+    let text = failed.to_string();
+    assert!(text.contains("ca_location"), "{text}");
+}
+
+/// A topic of `n` Avro records `{id: i}` written through an HTTPS
+/// `registry` (the producer trusts its CA).
+async fn topic_via(registry: &SchemaRegistry, n: u64) -> String {
+    let topic = fresh_topic("avro-tls");
+    create_topic(&bootstrap(), &topic, 2).await.unwrap();
+    let schema =
+        json!({"type": "record", "name": "Row", "fields": [{"name": "id", "type": "long"}]});
+    let mut lines = vec![json!({"avro": schema})];
+    lines.extend((0..n).map(|i| json!({"value": {"id": i}, "partition": i % 2})));
+    let ca = registry.ca_pem();
+    produce_avro(
+        &bootstrap(),
+        &topic,
+        &registry.url(),
+        &lines,
+        &[("TINYFLOW_REGISTRY_CA", ca.to_str().unwrap())],
+    );
+    topic
+}

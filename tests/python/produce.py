@@ -26,6 +26,7 @@ Each input line is a JSON object, one of:
 
 Options (environment): `TINYFLOW_SUBJECT_STRATEGY` = `topic` (default),
 `record` or `topic-record`; `TINYFLOW_REGISTRY_AUTH` = `NAME:PASSWORD`;
+`TINYFLOW_REGISTRY_CA` = the PEM file of an HTTPS registry's CA;
 `TINYFLOW_TRANSACTIONAL_ID` makes the producer transactional.
 Prints the number of records sent; exits non-zero if any was not delivered.
 """
@@ -93,6 +94,8 @@ def main():
     conf = {"url": registry_url}
     if os.environ.get("TINYFLOW_REGISTRY_AUTH"):
         conf["basic.auth.user.info"] = os.environ["TINYFLOW_REGISTRY_AUTH"]
+    if os.environ.get("TINYFLOW_REGISTRY_CA"):
+        conf["ssl.ca.location"] = os.environ["TINYFLOW_REGISTRY_CA"]
     registry = SchemaRegistryClient(conf)
     strategy = STRATEGIES[os.environ.get("TINYFLOW_SUBJECT_STRATEGY", "topic")]
     producer_conf = {"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20}

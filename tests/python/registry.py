@@ -17,10 +17,12 @@ real registry keeps them in its `_schemas` topic). What it does not do:
 compatibility checks (every schema is accepted), deletes, contexts, modes
 other than READWRITE.
 
-    python registry.py --port 0 --state DIR/registry.json [--user NAME:PASSWORD]
+    python registry.py --port 0 --state DIR/registry.json [--user NAME:PASSWORD] [--tls-dir DIR]
 
 prints `listening on <port>` once it accepts connections, then serves until
-SIGTERM or SIGINT.
+SIGTERM or SIGINT. With `--tls-dir` it serves HTTPS with a certificate for
+127.0.0.1 signed by a CA it makes, whose certificate it writes to
+`DIR/ca.pem` for clients to trust (the same CA and certificate on a restart).
 """
 
 import argparse
@@ -228,14 +230,83 @@ def handler(registry, user):
     return Handler
 
 
+def tls_context(directory):
+    """An HTTPS context for 127.0.0.1 from a CA made once in `directory`."""
+    import datetime
+    import ipaddress
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    os.makedirs(directory, exist_ok=True)
+    cert_path = os.path.join(directory, "server.pem")
+    key_path = os.path.join(directory, "server.key")
+    if not os.path.exists(cert_path):
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tinyflow test registry CA")])
+        ca = (
+            x509.CertificateBuilder()
+            .subject_name(ca_name)
+            .issuer_name(ca_name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False,
+            )
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        with open(os.path.join(directory, "ca.pem"), "wb") as f:
+            f.write(ca.public_bytes(serialization.Encoding.PEM))
+        with open(cert_path, "wb") as f:
+            f.write(cert.public_bytes(serialization.Encoding.PEM))
+        with open(key_path, "wb") as f:
+            f.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_path, key_path)
+    return context
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--state", help="JSON file the registry is kept in")
     parser.add_argument("--user", help="NAME:PASSWORD that HTTP basic auth requires")
+    parser.add_argument("--tls-dir", help="serve HTTPS; the CA's certificate goes to DIR/ca.pem")
     args = parser.parse_args()
     registry = Registry(args.state)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(registry, args.user))
+    if args.tls_dir:
+        server.socket = tls_context(args.tls_dir).wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     print(f"listening on {server.server_address[1]}", flush=True)

@@ -19,6 +19,8 @@ pub struct SchemaRegistry {
     port: u16,
     state: PathBuf,
     user: Option<String>,
+    /// Serving HTTPS: the directory of its CA (`ca.pem`).
+    tls: Option<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -43,13 +45,32 @@ impl SchemaRegistry {
         Self::start_with(Some(user.to_owned()))
     }
 
+    /// A registry serving HTTPS with a certificate of a CA of its own,
+    /// whose certificate [`ca_pem`](Self::ca_pem) is.
+    pub fn start_tls() -> Self {
+        Self::start_inner(None, true)
+    }
+
+    /// The PEM file of the CA of an HTTPS registry.
+    pub fn ca_pem(&self) -> PathBuf {
+        self.tls
+            .as_ref()
+            .expect("a registry started with start_tls")
+            .join("ca.pem")
+    }
+
     fn start_with(user: Option<String>) -> Self {
+        Self::start_inner(user, false)
+    }
+
+    fn start_inner(user: Option<String>, tls: bool) -> Self {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let mut r = SchemaRegistry {
             child: None,
             port: 0,
             state: dir.path().join("registry.json"),
             user,
+            tls: tls.then(|| dir.path().join("tls")),
             _dir: dir,
         };
         r.spawn();
@@ -66,6 +87,9 @@ impl SchemaRegistry {
             .stderr(Stdio::null());
         if let Some(u) = &self.user {
             cmd.args(["--user", u]);
+        }
+        if let Some(t) = &self.tls {
+            cmd.arg("--tls-dir").arg(t);
         }
         let mut child = cmd.spawn().unwrap_or_else(|e| {
             panic!(
@@ -88,7 +112,8 @@ impl SchemaRegistry {
 
     /// Its base URL.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// Registers Avro `schema` under `subject` as a producer would

@@ -107,6 +107,12 @@ pub enum RegistryError {
         what: String,
         message: String,
     },
+    /// Its certificate is not trusted (or TLS failed in a way retrying does
+    /// not mend).
+    #[error(
+        "the schema registry at {url}: its certificate is not trusted: check source.registry.ca_location ({message})"
+    )]
+    Untrusted { url: String, message: String },
     /// The settings are wrong (a CA file that cannot be read, ...).
     #[error("schema registry settings: {0}")]
     Config(String),
@@ -218,7 +224,17 @@ impl Registry {
             what: what.to_owned(),
             message: tinyflow_api::secrets::scrub(&message),
         };
-        let response = request.send().await.map_err(|e| unreachable(chain(&e)))?;
+        let response = request.send().await.map_err(|e| {
+            let message = chain(&e);
+            if message.contains("certificate") || message.contains("UnknownIssuer") {
+                RegistryError::Untrusted {
+                    url: self.base.clone(),
+                    message,
+                }
+            } else {
+                unreachable(message)
+            }
+        })?;
         let status = response.status();
         let text = response.text().await.map_err(|e| unreachable(chain(&e)))?;
         if status.is_success() {
