@@ -771,3 +771,38 @@ key = {{ column = "k", type = "avro" }}"#,
         assert_eq!(row, &vec![json!(i), json!(i % 7), key], "row {i}");
     }
 }
+
+/// Producers that name subjects by record (`subject.name.strategy` =
+/// record): the job finds the columns under `record:<full name>`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn columns_come_from_the_subject_the_record_strategy_names() {
+    let registry = SchemaRegistry::start();
+    let (bootstrap, topic) = new_topic("avro-record-subject").await;
+    let n = 100u64;
+    let mut lines = vec![json!({"avro": order_schema()})];
+    lines.extend((0..n).map(|i| json!({"value": order(i).0, "partition": i % PARTITIONS as u64})));
+    produce_avro(
+        &bootstrap,
+        &topic,
+        &registry.url(),
+        &lines,
+        &[("TINYFLOW_SUBJECT_STRATEGY", "record")],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let source = format!(
+        r#"bootstrap_servers = "{bootstrap}"
+topics = ["{topic}"]
+format = "avro"
+registry = {{ url = "{}", subject = "record:shop.Order" }}"#,
+        registry.url()
+    );
+    let job = bounded_job(&dir, "avro-record-subject", &source, "shop", "orders");
+    Run::start(&job, &dir, 0).exits_0_within_120_s("the job still ran after 120 s");
+    let mut got = tinyflow_tests::pyiceberg_rows(&dir, "shop.orders", &ORDER_COLUMNS);
+    got.sort_by_key(|r| r[0].as_u64().unwrap());
+    assert_eq!(got.len(), n as usize, "rows");
+    for (i, row) in got.iter().enumerate() {
+        assert_eq!(row, &order(i as u64).1, "row {i}");
+    }
+}
