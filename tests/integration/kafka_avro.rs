@@ -20,6 +20,37 @@ use crate::kafka_source::{fresh_topic, source_config};
 
 const SECRET: &str = "registry-secret-7f3a";
 
+type Reader = dyn tinyflow_api::Source<arrow_array::RecordBatch>;
+
+/// Every id a bounded reader reads, sorted.
+async fn read_ids(reader: &mut Reader) -> Vec<i64> {
+    let mut ids = Vec::new();
+    while let Some(batches) = reader.next_batch().await.unwrap() {
+        for b in batches {
+            ids.extend(
+                b.column(0)
+                    .as_primitive::<Int64Type>()
+                    .values()
+                    .iter()
+                    .copied(),
+            );
+        }
+    }
+    ids.sort_unstable();
+    ids
+}
+
+/// The error a reader that reads nothing fails with.
+async fn first_error(reader: &mut Reader) -> StreamError {
+    loop {
+        match reader.next_batch().await {
+            Ok(Some(b)) => assert!(b.is_empty(), "records read without their schema"),
+            Ok(None) => panic!("the source ended without its schema"),
+            Err(e) => return e,
+        }
+    }
+}
+
 fn ctx() -> OperatorContext {
     OperatorContext {
         name: "kafka".into(),
@@ -64,36 +95,16 @@ async fn a_registry_with_basic_auth_is_read_with_its_credentials_and_refuses_wro
     let mut reader = KafkaArrowSource::new(source_config(&topic, &fresh_topic("g")), format(good))
         .create(&ctx(), &[])
         .unwrap();
-    let mut ids = Vec::new();
-    while let Some(batches) = reader.next_batch().await.unwrap() {
-        for b in batches {
-            ids.extend(
-                b.column(0)
-                    .as_primitive::<Int64Type>()
-                    .values()
-                    .iter()
-                    .copied(),
-            );
-        }
-    }
-    ids.sort_unstable();
+    let ids = read_ids(reader.as_mut()).await;
     assert_eq!(ids, (0..n as i64).collect::<Vec<_>>());
 
     let wrong = RegistryConfig::new(registry.url()).basic_auth("tinyflow", "not-the-secret-9");
     let mut reader = KafkaArrowSource::new(source_config(&topic, &fresh_topic("g")), format(wrong))
         .create(&ctx(), &[])
         .unwrap();
-    let failed = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match reader.next_batch().await {
-                Ok(Some(b)) => assert!(b.is_empty(), "records read without their schema"),
-                Ok(None) => panic!("the source ended without its schema"),
-                Err(e) => return e,
-            }
-        }
-    })
-    .await
-    .expect("refused credentials must fail the source, not stall it");
+    let failed = tokio::time::timeout(Duration::from_secs(30), first_error(reader.as_mut()))
+        .await
+        .expect("refused credentials must fail the source, not stall it");
     let text = failed.to_string();
     assert!(
         matches!(
@@ -136,19 +147,7 @@ async fn records_whose_registry_is_down_wait_and_are_read_once_it_answers() {
         assert!(b.is_empty(), "records read without their schema");
     }
     registry.restart();
-    let mut ids = Vec::new();
-    while let Some(batches) = reader.next_batch().await.unwrap() {
-        for b in batches {
-            ids.extend(
-                b.column(0)
-                    .as_primitive::<Int64Type>()
-                    .values()
-                    .iter()
-                    .copied(),
-            );
-        }
-    }
-    ids.sort_unstable();
+    let ids = read_ids(reader.as_mut()).await;
     assert_eq!(ids, (0..n as i64).collect::<Vec<_>>(), "every record once");
 }
 
@@ -162,19 +161,7 @@ async fn an_https_registry_is_read_with_its_ca_and_refused_at_once_without_it() 
         KafkaArrowSource::new(source_config(&topic, &fresh_topic("g")), format(trusted))
             .create(&ctx(), &[])
             .unwrap();
-    let mut ids = Vec::new();
-    while let Some(batches) = reader.next_batch().await.unwrap() {
-        for b in batches {
-            ids.extend(
-                b.column(0)
-                    .as_primitive::<Int64Type>()
-                    .values()
-                    .iter()
-                    .copied(),
-            );
-        }
-    }
-    ids.sort_unstable();
+    let ids = read_ids(reader.as_mut()).await;
     assert_eq!(ids, (0..n as i64).collect::<Vec<_>>());
 
     let untrusted = RegistryConfig::new(registry.url());
@@ -182,17 +169,9 @@ async fn an_https_registry_is_read_with_its_ca_and_refused_at_once_without_it() 
         KafkaArrowSource::new(source_config(&topic, &fresh_topic("g")), format(untrusted))
             .create(&ctx(), &[])
             .unwrap();
-    let failed = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match reader.next_batch().await {
-                Ok(Some(b)) => assert!(b.is_empty(), "records read without their schema"),
-                Ok(None) => panic!("the source ended without its schema"),
-                Err(e) => return e,
-            }
-        }
-    })
-    .await
-    .expect("an untrusted certificate must fail the source, not stall it");
+    let failed = tokio::time::timeout(Duration::from_secs(30), first_error(reader.as_mut()))
+        .await
+        .expect("an untrusted certificate must fail the source, not stall it");
     let text = failed.to_string();
     assert!(text.contains("ca_location"), "{text}");
 }

@@ -129,6 +129,17 @@ impl ColumnsEvolver for LiveColumns {
     }
 
     async fn evolve(&self, wanted: SchemaRef) -> StreamResult<String> {
+        if let Some(skip) = self.0.not_value.get()
+            && let Some(f) = wanted.fields().iter().find(|f| skip.contains(f.name()))
+        {
+            return Err(StreamError::Config {
+                key: "sink.schema_evolution",
+                message: format!(
+                    "the records' field `{}` has the name of the key's, a header's or a metadata column: rename that column (source.key.column, source.headers[].column, source.all_headers.column) or the field",
+                    f.name()
+                ),
+            });
+        }
         let columns = wanted
             .fields()
             .iter()

@@ -1561,8 +1561,35 @@ mod tests {
                 "sink.catalog.warehouse: a sqlite catalog keeps its warehouse in `dir`",
             ),
             (
+                ("format = \"json\"", "format = \"xml\""),
+                "source.format: `xml`: expected json, avro, protobuf or raw",
+            ),
+            (
                 ("format = \"json\"", "format = \"avro\""),
-                "source.format: `avro`: expected json or raw",
+                "source.registry: format = \"avro\" needs [source.registry] with its url",
+            ),
+            (
+                ("start = \"earliest\"", "registry = { url = \"http://r\" }"),
+                "source.registry: only with format = \"avro\" or \"protobuf\"",
+            ),
+            (
+                (
+                    "format = \"json\"",
+                    "format = \"avro\"\nregistry = { url = \"localhost:8081\" }",
+                ),
+                "source.registry: schema registry settings: the registry URL \"localhost:8081\" must start with http:// or https://",
+            ),
+            (
+                ("[sink]", "[sink]\nschema_evolution = \"add-columns\""),
+                "sink.schema_evolution: only with source.format = \"avro\"",
+            ),
+            (
+                ("[sink]", "[sink]\nschema_evolution = \"sometimes\""),
+                "sink.schema_evolution: `sometimes`: expected ignore, add-columns or fail",
+            ),
+            (
+                ("start = \"earliest\"", "key = { type = \"avro\" }"),
+                "source.key.type: `avro` needs Avro values",
             ),
             (
                 ("format = \"json\"", "format = \"raw\""),

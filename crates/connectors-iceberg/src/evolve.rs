@@ -118,7 +118,7 @@ struct Plan {
     adds: Vec<(Option<String>, Column)>,
     /// Paths (dotted, list elements and map values by their own names) to
     /// the promoted type.
-    widen: HashMap<String, PrimitiveType>,
+    widen: Widen,
     change: SchemaChange,
 }
 
@@ -214,7 +214,7 @@ fn plan_type(have: &Type, want: &ColumnType, path: &str, out: &mut Plan) -> Resu
                 out.change
                     .widened
                     .push((path.to_owned(), p.to_string(), to.to_string()));
-                out.widen.insert(path.to_owned(), to);
+                out.widen.insert(path.to_owned(), (p.clone(), to));
                 Ok(())
             }
             None => Err(format!(
@@ -227,17 +227,23 @@ fn plan_type(have: &Type, want: &ColumnType, path: &str, out: &mut Plan) -> Resu
     }
 }
 
-/// `fields` with the types at the paths in `widen` promoted (same ids).
+/// Paths (dotted; list elements and map values by their own names) to the
+/// type they have when planned and the type they widen to.
+type Widen = HashMap<String, (PrimitiveType, PrimitiveType)>;
+
+/// `fields` with the types at the paths in `widen` promoted (same ids);
+/// a path whose type is no longer the planned one goes to `changed`.
 fn widened(
     fields: &[NestedFieldRef],
-    widen: &HashMap<String, PrimitiveType>,
+    widen: &Widen,
+    changed: &mut Vec<String>,
     parent: Option<&str>,
 ) -> Vec<NestedFieldRef> {
     fields
         .iter()
         .map(|f| {
             let path = parent.map_or_else(|| f.name.clone(), |p| format!("{p}.{}", f.name));
-            let ty = widened_type(&f.field_type, widen, &path);
+            let ty = widened_type(&f.field_type, widen, &path, changed);
             Arc::new(NestedField {
                 field_type: Box::new(ty),
                 ..(**f).clone()
@@ -246,19 +252,33 @@ fn widened(
         .collect()
 }
 
-fn widened_type(ty: &Type, widen: &HashMap<String, PrimitiveType>, path: &str) -> Type {
+fn widened_type(ty: &Type, widen: &Widen, path: &str, changed: &mut Vec<String>) -> Type {
     match ty {
-        Type::Primitive(_) => widen
-            .get(path)
-            .map_or_else(|| ty.clone(), |p| Type::Primitive(p.clone())),
-        Type::Struct(s) => Type::Struct(StructType::new(widened(s.fields(), widen, Some(path)))),
+        Type::Primitive(now) => match widen.get(path) {
+            None => ty.clone(),
+            Some((from, to)) => {
+                if now != from {
+                    changed.push(format!("`{path}` is {now} now, {from} when planned"));
+                }
+                Type::Primitive(to.clone())
+            }
+        },
+        Type::Struct(s) => Type::Struct(StructType::new(widened(
+            s.fields(),
+            widen,
+            changed,
+            Some(path),
+        ))),
         Type::List(l) => {
             let e = &l.element_field;
             let inner = match e.field_type.as_ref() {
-                Type::Struct(s) => {
-                    Type::Struct(StructType::new(widened(s.fields(), widen, Some(path))))
-                }
-                t => widened_type(t, widen, &format!("{path}.element")),
+                Type::Struct(s) => Type::Struct(StructType::new(widened(
+                    s.fields(),
+                    widen,
+                    changed,
+                    Some(path),
+                ))),
+                t => widened_type(t, widen, &format!("{path}.element"), changed),
             };
             Type::List(ListType::new(Arc::new(NestedField {
                 field_type: Box::new(inner),
@@ -268,10 +288,13 @@ fn widened_type(ty: &Type, widen: &HashMap<String, PrimitiveType>, path: &str) -
         Type::Map(m) => {
             let v = &m.value_field;
             let inner = match v.field_type.as_ref() {
-                Type::Struct(s) => {
-                    Type::Struct(StructType::new(widened(s.fields(), widen, Some(path))))
-                }
-                t => widened_type(t, widen, &format!("{path}.value")),
+                Type::Struct(s) => Type::Struct(StructType::new(widened(
+                    s.fields(),
+                    widen,
+                    changed,
+                    Some(path),
+                ))),
+                t => widened_type(t, widen, &format!("{path}.value"), changed),
             };
             Type::Map(MapType::new(
                 Arc::clone(&m.key_field),
@@ -286,15 +309,26 @@ fn widened_type(ty: &Type, widen: &HashMap<String, PrimitiveType>, path: &str) -
 
 /// `table` with its current schema's types promoted as `widen` says,
 /// under the same schema id (see the module's note).
-fn with_widened_schema(
-    table: &Table,
-    widen: &HashMap<String, PrimitiveType>,
-) -> iceberg::Result<Table> {
+fn with_widened_schema(table: &Table, widen: &Widen) -> iceberg::Result<Table> {
     let current = table.metadata().current_schema();
+    let mut changed = Vec::new();
+    let fields = widened(current.as_struct().fields(), widen, &mut changed, None);
+    if !changed.is_empty() {
+        // Another commit changed the column since the plan (a retry of the
+        // transaction reloads the table): never widen from a type that is
+        // not the planned one; the caller plans again.
+        return Err(iceberg::Error::new(
+            iceberg::ErrorKind::DataInvalid,
+            format!(
+                "a column changed while its widening was committed: {}",
+                changed.join(", ")
+            ),
+        ));
+    }
     let schema = Schema::builder()
         .with_schema_id(current.schema_id())
         .with_identifier_field_ids(current.identifier_field_ids())
-        .with_fields(widened(current.as_struct().fields(), widen, None))
+        .with_fields(fields)
         .build()?;
     let mut json = serde_json::to_value(table.metadata())
         .map_err(|e| iceberg::Error::new(iceberg::ErrorKind::DataInvalid, e.to_string()))?;
@@ -327,7 +361,7 @@ fn with_widened_schema(
 #[derive(Debug)]
 struct Widening<'a> {
     inner: &'a dyn Catalog,
-    widen: &'a HashMap<String, PrimitiveType>,
+    widen: &'a Widen,
 }
 
 #[async_trait::async_trait]
@@ -564,9 +598,15 @@ mod tests {
     #[test]
     fn widened_types_keep_their_field_ids() {
         let fields = vec![field(1, "id", Type::Primitive(PrimitiveType::Int))];
-        let widen = HashMap::from([("id".to_owned(), PrimitiveType::Long)]);
-        let out = widened(&fields, &widen, None);
+        let widen = HashMap::from([("id".to_owned(), (PrimitiveType::Int, PrimitiveType::Long))]);
+        let mut changed = Vec::new();
+        let out = widened(&fields, &widen, &mut changed, None);
         assert_eq!(out[0].id, 1);
         assert_eq!(*out[0].field_type, Type::Primitive(PrimitiveType::Long));
+        assert!(changed.is_empty());
+        // Planned from int, but the column is a string now: refused.
+        let now = vec![field(1, "id", Type::Primitive(PrimitiveType::String))];
+        widened(&now, &widen, &mut changed, None);
+        assert_eq!(changed.len(), 1, "{changed:?}");
     }
 }

@@ -9,7 +9,7 @@ use arrow_array::{
 };
 use arrow_json::reader::{Decoder, ReaderBuilder};
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::Message;
 use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamResult};
 
 use crate::bad_record::{BadReason, BadRecord};
@@ -906,11 +906,10 @@ struct ArrowDecoder {
 /// The value of `msg`'s last header named `name`, if it has one with a
 /// value.
 fn header<'m>(msg: &'m rdkafka::message::BorrowedMessage<'_>, name: &str) -> Option<&'m [u8]> {
-    msg.headers()?
-        .iter()
-        .filter(|h| h.key == name)
-        .last()
-        .and_then(|h| h.value)
+    crate::source::headers_of(msg)?
+        .into_iter()
+        .rfind(|(k, _)| *k == name)
+        .and_then(|(_, v)| v)
 }
 
 impl ArrowDecoder {
@@ -918,6 +917,11 @@ impl ArrowDecoder {
     /// their column's value, if so.
     fn check_key_and_headers(&self, p: &Polled<'_>) -> Option<BadRecord> {
         let format = &self.payloads.format;
+        if (!format.headers.is_empty() || format.all_headers.is_some())
+            && crate::source::headers_of(&p.msg).is_none()
+        {
+            return Some(crate::source::header_name_not_utf8());
+        }
         if let Some((_, ty)) = &format.key
             && let Some(bad) = ty.check(|| "the key".to_owned(), p.msg.key())
         {
@@ -932,10 +936,9 @@ impl ArrowDecoder {
             return Some(bad);
         }
         let (_, ty) = format.all_headers.as_ref()?;
-        let headers = p.msg.headers()?;
-        headers
-            .iter()
-            .find_map(|h| ty.check(|| format!("header `{}`", h.key), h.value))
+        crate::source::headers_of(&p.msg)?
+            .into_iter()
+            .find_map(|(k, v)| ty.check(|| format!("header `{k}`"), v))
     }
 
     /// The raw values of the records not known bad (`self.payloads.bad`),
@@ -1107,6 +1110,29 @@ impl ArrowDecoder {
     }
 }
 
+/// The values of `polled`; one larger than the limit makes its record bad
+/// (in `bad`).
+#[cfg(feature = "avro")]
+fn sized_payloads<'a>(
+    polled: &'a [Polled<'_>],
+    bad: &mut [Option<BadRecord>],
+    limits: Limits,
+) -> Vec<Option<&'a [u8]>> {
+    polled
+        .iter()
+        .zip(bad.iter_mut())
+        .map(|(p, b)| {
+            let value = p.msg.payload();
+            if b.is_none()
+                && let Some(Err(too_large)) = value.map(|v| limits.check_size(v))
+            {
+                *b = Some(too_large);
+            }
+            value
+        })
+        .collect()
+}
+
 /// Every header of each of `records` as one map column (see
 /// [`JsonArrow::with_all_headers`]); `None` if a value is not UTF-8 for a
 /// string map (checked before).
@@ -1115,17 +1141,17 @@ fn headers_map(records: &[&Polled<'_>], ty: BytesAs) -> Option<ArrayRef> {
     offsets.push(0i32);
     let mut keys: Vec<&str> = Vec::new();
     let mut values: Vec<Option<&[u8]>> = Vec::new();
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     for p in records {
-        let start = keys.len();
-        if let Some(headers) = p.msg.headers() {
-            for h in headers.iter() {
-                // The last value of a name sent twice.
-                match keys[start..].iter().position(|k| *k == h.key) {
-                    Some(i) => values[start + i] = h.value,
-                    None => {
-                        keys.push(h.key);
-                        values.push(h.value);
-                    }
+        seen.clear();
+        for (k, v) in crate::source::headers_of(&p.msg)? {
+            // The last value of a name sent twice.
+            match seen.get(k) {
+                Some(&i) => values[i] = v,
+                None => {
+                    seen.insert(k, keys.len());
+                    keys.push(k);
+                    values.push(v);
                 }
             }
         }
@@ -1241,20 +1267,7 @@ impl Decode for ArrowDecoder {
             #[cfg(feature = "protobuf")]
             Value::Protobuf { .. } => {
                 let mut bad = known;
-                let limits = self.payloads.limits;
-                let payloads: Vec<Option<&[u8]>> = polled
-                    .iter()
-                    .zip(bad.iter_mut())
-                    .map(|(p, b)| {
-                        let value = p.msg.payload();
-                        if b.is_none()
-                            && let Some(Err(too_large)) = value.map(|v| limits.check_size(v))
-                        {
-                            *b = Some(too_large);
-                        }
-                        value
-                    })
-                    .collect();
+                let payloads = sized_payloads(polled, &mut bad, self.payloads.limits);
                 let json = self
                     .avro
                     .as_mut()
@@ -1267,20 +1280,7 @@ impl Decode for ArrowDecoder {
             Value::Avro { .. } => {
                 let mut bad = known;
                 let keys = self.decode_avro_keys(polled, &mut bad);
-                let limits = self.payloads.limits;
-                let payloads: Vec<Option<&[u8]>> = polled
-                    .iter()
-                    .zip(bad.iter_mut())
-                    .map(|(p, b)| {
-                        let value = p.msg.payload();
-                        if b.is_none()
-                            && let Some(Err(too_large)) = value.map(|v| limits.check_size(v))
-                        {
-                            *b = Some(too_large);
-                        }
-                        value
-                    })
-                    .collect();
+                let payloads = sized_payloads(polled, &mut bad, self.payloads.limits);
                 let batch = self
                     .avro
                     .as_mut()

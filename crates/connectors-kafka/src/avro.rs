@@ -104,6 +104,11 @@ const PREFIX: usize = 5;
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(100);
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
+/// How often an id the registry says it does not have is asked for, and
+/// the pause between.
+const NOT_FOUND_ATTEMPTS: u32 = 3;
+const NOT_FOUND_PAUSE: Duration = Duration::from_millis(500);
+
 /// The writer schema id of a payload in the wire format.
 pub(crate) fn schema_id(payload: &[u8]) -> Option<u32> {
     match payload {
@@ -208,7 +213,9 @@ impl AvroValues {
             registry,
             #[cfg(feature = "protobuf")]
             protobuf: false,
-            target: evolution.as_ref().map_or(target, |e| e.evolver.columns()),
+            // The columns the source's output was built for (with
+            // evolution, the evolver's when the source was created).
+            target,
             strict,
             evolution,
             cache,
@@ -441,6 +448,7 @@ impl AvroValues {
             let mut out = Vec::with_capacity(ids.len());
             for id in ids {
                 let mut failures: u32 = 0;
+                let mut not_found: u32 = 0;
                 let mut pause = FIRST_RETRY_PAUSE;
                 loop {
                     match registry.schema_by_id(id).await {
@@ -452,7 +460,15 @@ impl AvroValues {
                             tokio::time::sleep(pause).await;
                             pause = (pause * 2).min(MAX_RETRY_PAUSE);
                         }
+                        // A registry of several nodes can answer 404 for an
+                        // id registered a moment ago: asked again a few
+                        // times before the id is taken as unknown.
                         Err(e @ RegistryError::NotFound { .. }) => {
+                            not_found += 1;
+                            if not_found < NOT_FOUND_ATTEMPTS {
+                                tokio::time::sleep(NOT_FOUND_PAUSE).await;
+                                continue;
+                            }
                             out.push((id, Err(e)));
                             break;
                         }
@@ -564,9 +580,9 @@ impl AvroValues {
                                 }
                             }
                             share.open.clear();
-                            if let Ok(Some(batch)) = fresh.flush() {
-                                share.done.push((batch, replayed));
-                            }
+                            share
+                                .done
+                                .extend(flush_rows(id, avro, &mut fresh, replayed, payloads, bad));
                             **decoder = fresh;
                         }
                     }
@@ -576,21 +592,13 @@ impl AvroValues {
         // Flush each writer's rows and make them the table's.
         let mut pieces: Vec<(RecordBatch, Vec<usize>)> = Vec::new();
         for (id, mut share) in shares {
-            if let Some(Writer::Ready { decoder, .. }) = self.writers.get_mut(&id)
+            if let Some(Writer::Ready { avro, decoder }) = self.writers.get_mut(&id)
                 && !share.open.is_empty()
             {
-                match decoder.flush() {
-                    Ok(Some(batch)) => share.done.push((batch, std::mem::take(&mut share.open))),
-                    Ok(None) => {}
-                    Err(e) => {
-                        for &j in &share.open {
-                            bad[j] = Some(BadRecord::new(
-                                BadReason::Undecodable,
-                                format!("schema id {id}: {e}"),
-                            ));
-                        }
-                    }
-                }
+                let open = std::mem::take(&mut share.open);
+                share
+                    .done
+                    .extend(flush_rows(id, avro, decoder, open, payloads, bad));
             }
             for (batch, rows) in share.done {
                 match crate::conform::conform(&batch, &self.target, self.strict) {
@@ -682,6 +690,54 @@ impl AvroValues {
         }
         out
     }
+}
+
+/// Flushes `decoder`, which holds the rows of `rows` (positions in the
+/// poll): their batch. arrow-avro checks some values only at the flush
+/// (UTF-8 of strings, enum indexes), so when the flush fails each row is
+/// decoded alone to find the bad ones; every row ends in a batch or bad,
+/// and the decoder is left empty.
+fn flush_rows(
+    id: u32,
+    avro: &str,
+    decoder: &mut Decoder,
+    rows: Vec<usize>,
+    payloads: &[Option<&[u8]>],
+    bad: &mut [Option<BadRecord>],
+) -> Vec<(RecordBatch, Vec<usize>)> {
+    match decoder.flush() {
+        Ok(Some(batch)) if batch.num_rows() == rows.len() => return vec![(batch, rows)],
+        Ok(None) if rows.is_empty() => return Vec::new(),
+        _ => {}
+    }
+    // The flush failed (and the decoder may hold part of a batch): start
+    // it afresh, and take each row alone.
+    if let Ok(fresh) = decoder_for(id, avro, decoder.batch_size()) {
+        *decoder = fresh;
+    }
+    let mut out = Vec::new();
+    for j in rows {
+        let one = decoder_for(id, avro, 2).and_then(|mut d| {
+            feed(&mut d, payloads[j].unwrap_or_default())?;
+            d.flush().map_err(|e| e.to_string())
+        });
+        match one {
+            Ok(Some(batch)) if batch.num_rows() == 1 => out.push((batch, vec![j])),
+            Ok(_) => {
+                bad[j] = Some(BadRecord::new(
+                    BadReason::Undecodable,
+                    format!("schema id {id}: the datum decodes to no row"),
+                ));
+            }
+            Err(e) => {
+                bad[j] = Some(BadRecord::new(
+                    BadReason::Undecodable,
+                    format!("not an Avro datum of schema id {id}: {e}"),
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// One batch of the pieces' rows in poll order.
@@ -870,6 +926,23 @@ mod tests {
         let (auctions, bad) = decode(&mut v, &[bid(7, 9, None)]);
         assert_eq!(auctions, vec![9]);
         assert!(bad[0].is_none());
+    }
+
+    #[test]
+    fn a_string_that_is_not_utf8_makes_only_its_record_bad() {
+        let mut v = values();
+        let mut not_utf8 = bid(7, 2, Some("ab"));
+        let at = not_utf8.len() - 2;
+        not_utf8[at] = 0xff;
+        let mut truncated = bid(7, 3, Some("long note"));
+        truncated.truncate(truncated.len() - 2);
+        let (auctions, bad) = decode(
+            &mut v,
+            &[bid(7, 1, None), not_utf8, truncated, bid(7, 4, Some("x"))],
+        );
+        assert_eq!(auctions, vec![1, 4]);
+        assert!(bad[0].is_none() && bad[3].is_none(), "{bad:?}");
+        assert!(bad[1].is_some() && bad[2].is_some(), "{bad:?}");
     }
 
     #[test]

@@ -47,6 +47,21 @@ pub(crate) fn conform(
             mark_nulls(c.as_ref(), t, t.name(), &mut |row, path| {
                 bad[row].get_or_insert_with(|| format!("`{path}` is null; the column is required"));
             });
+            // A cast that turns a value into null (a timestamp past the
+            // range of a finer unit) loses it: that row is bad.
+            let from = c.data_type();
+            if from != t.data_type() && !from.is_nested() && !t.data_type().is_nested() {
+                let cast = convert(c, t, t.name())?;
+                if cast.null_count() > c.null_count() {
+                    for (row, b) in bad.iter_mut().enumerate() {
+                        if c.is_valid(row) && cast.is_null(row) {
+                            b.get_or_insert_with(|| {
+                                format!("`{}`: the value is out of the column's range", t.name())
+                            });
+                        }
+                    }
+                }
+            }
         }
     }
     let bad: Vec<(usize, String)> = bad
@@ -591,6 +606,38 @@ mod tests {
         let other = Fields::from(vec![Field::new("id", DataType::Utf8, false)]);
         let e = grow(&target, &other).unwrap_err();
         assert!(e.contains("`id` is Utf8"), "{e}");
+    }
+
+    #[test]
+    fn a_timestamp_past_the_range_of_a_finer_unit_makes_only_its_row_bad() {
+        use arrow_array::TimestampMillisecondArray;
+        let tz: Option<Arc<str>> = Some("+00:00".into());
+        let source = RecordBatch::try_new(
+            schema(vec![Field::new(
+                "at",
+                DataType::Timestamp(TimeUnit::Millisecond, tz.clone()),
+                true,
+            )]),
+            vec![Arc::new(
+                TimestampMillisecondArray::from(vec![Some(1), Some(i64::MAX), None])
+                    .with_timezone_opt(tz.clone()),
+            )],
+        )
+        .expect("a valid batch");
+        let target = schema(vec![Field::new(
+            "at",
+            DataType::Timestamp(TimeUnit::Microsecond, tz),
+            true,
+        )]);
+        let (out, bad) = conform(&source, &target, false).expect("fits");
+        assert_eq!(bad.len(), 1);
+        assert_eq!(bad[0].0, 1);
+        assert!(
+            bad[0].1.contains("out of the column's range"),
+            "{}",
+            bad[0].1
+        );
+        assert_eq!(out.num_rows(), 2);
     }
 
     #[test]

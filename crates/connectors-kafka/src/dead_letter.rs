@@ -448,11 +448,11 @@ impl DeadLetter {
         let payload = msg.payload();
         let fit = fit(self.max_bytes, msg, &ours);
         let mut headers = OwnedHeaders::new();
-        if fit.keep_key_and_headers
-            && let Some(h) = msg.headers()
-        {
-            for h in h.iter() {
-                headers = headers.insert(h);
+        // The record's own headers (none when a header name is not UTF-8,
+        // which rdkafka cannot hand over; see `headers_of`).
+        if fit.keep_key_and_headers {
+            for (key, value) in crate::source::headers_of(msg).unwrap_or_default() {
+                headers = headers.insert(Header { key, value });
             }
         }
         for (key, value) in ours {
@@ -832,14 +832,11 @@ struct Fit {
 /// How much of `msg` a dead letter of at most `max_bytes` with headers
 /// `ours` can carry.
 fn fit(max_bytes: usize, msg: &BorrowedMessage<'_>, ours: &[(&str, Option<&str>)]) -> Fit {
-    let theirs: Vec<(usize, usize)> = msg
-        .headers()
-        .map(|h| {
-            h.iter()
-                .map(|h| (h.key.len(), h.value.map_or(0, <[u8]>::len)))
-                .collect()
-        })
-        .unwrap_or_default();
+    let theirs: Vec<(usize, usize)> = crate::source::headers_of(msg)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k.len(), v.map_or(0, <[u8]>::len)))
+        .collect();
     fit_sizes(
         max_bytes,
         msg.payload().map_or(0, <[u8]>::len),

@@ -673,6 +673,10 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
         outcomes: &mut Vec<Outcome>,
     ) {
         for Polled { topic, msg } in polled {
+            let Some(headers) = headers_of(msg) else {
+                outcomes.push(Err(header_name_not_utf8()));
+                continue;
+            };
             match self.format.decode(msg.payload().unwrap_or_default()) {
                 Ok(value) => {
                     let time = match &self.from {
@@ -686,16 +690,10 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
                         offset: msg.offset(),
                         timestamp: msg.timestamp().to_millis(),
                         key: msg.key().map(<[u8]>::to_vec),
-                        headers: msg
-                            .headers()
-                            .map(|h| {
-                                h.iter()
-                                    .map(|h| {
-                                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
-                                    })
-                                    .collect()
-                            })
-                            .unwrap_or_default(),
+                        headers: headers
+                            .into_iter()
+                            .map(|(k, v)| (k.to_owned(), v.unwrap_or_default().to_vec()))
+                            .collect(),
                         value,
                     });
                     outcomes.push(Ok(time));
@@ -704,6 +702,28 @@ impl<V: tinyflow_api::Data> Decode for RecordDecoder<V> {
             }
         }
     }
+}
+
+/// A record's headers, name and value, in order; `None` when a header name
+/// is not UTF-8. rdkafka's header access panics on such a name; the panic
+/// is caught here, so a record a hostile producer wrote cannot crash the
+/// process (it is a bad record instead).
+pub(crate) fn headers_of<'m>(msg: &'m BorrowedMessage<'_>) -> Option<Vec<HeaderRef<'m>>> {
+    let Some(headers) = msg.headers() else {
+        return Some(Vec::new());
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        headers.iter().map(|h| (h.key, h.value)).collect()
+    }))
+    .ok()
+}
+
+/// A header's name and value (none for a header without one).
+pub(crate) type HeaderRef<'m> = (&'m str, Option<&'m [u8]>);
+
+/// Why a record with a header name that is not UTF-8 is bad.
+pub(crate) fn header_name_not_utf8() -> BadRecord {
+    BadRecord::new(crate::BadReason::Undecodable, "a header name is not UTF-8")
 }
 
 /// How watermarks follow event time (the part of [`EventTime`] the reader
@@ -1108,11 +1128,14 @@ const MAX_TAKEN: usize = 64;
 /// [`Decode::must_wait`]) and every later one of their partitions, and
 /// sends those partitions back to the first of them (`positions` and the
 /// consumer), so they are read again once the decoder is ready. A seek
-/// drops what the consumer fetched before it.
+/// drops what the consumer fetched before it. A partition paused at its
+/// bounded end in the same poll is resumed: the seek took it back before
+/// its end.
 fn defer_waiting<D: Decode>(
     consumer: &KafkaConsumer,
     decoder: &mut D,
     positions: &mut BTreeMap<Partition, i64>,
+    at_end: &mut BTreeSet<Partition>,
     name: &str,
     polled: &mut Vec<Polled<'_>>,
 ) -> StreamResult<()> {
@@ -1142,7 +1165,20 @@ fn defer_waiting<D: Decode>(
                 )
             })?;
         tracing::debug!(source = %name, topic = %topic, partition, offset, "waiting for a schema; the partition is read again from here");
-        positions.insert((topic, partition), offset);
+        let p = (topic, partition);
+        if at_end.remove(&p) {
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&p.0, p.1);
+            consumer.resume(&tpl).map_err(|e| {
+                external(
+                    name,
+                    format!("resuming {}/{} after reading it again", p.0, p.1),
+                    e,
+                    true,
+                )
+            })?;
+        }
+        positions.insert(p, offset);
     }
     Ok(())
 }
@@ -1243,6 +1279,7 @@ impl<D: Decode> Source<D::Out> for Reader<D> {
             &self.consumer,
             &mut self.decoder,
             &mut self.positions,
+            &mut self.at_end,
             &self.bad.name,
             &mut polled,
         )?;
