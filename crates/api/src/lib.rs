@@ -38,7 +38,7 @@ pub mod testing;
 
 pub use channel::{BoxFuture, ChannelClosed, ControlChannel, TrySendError};
 pub use checkpoint::{CheckpointStore, CompletedCheckpoint, StateHandle};
-pub use clock::{SystemWallClock, WallClock, this_process};
+pub use clock::{SystemWallClock, WallClock, civil_date, this_process};
 pub use control::{AbortReason, DeclineReason, FromTask, TaskRole, ToTask};
 pub use data::{
     AnyBatch, DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group, key_groups_of,

@@ -576,21 +576,11 @@ impl KafkaArrowSource {
                     key: "source.schema",
                     message: format!("the JSON decoder rejects the declared schema: {e}"),
                 })?;
-                crate::registry::Registry::new(registry.clone()).map_err(|e| {
-                    StreamError::Config {
-                        key: "source.registry",
-                        message: e.to_string(),
-                    }
-                })?;
+                open_registry(registry)?;
             }
             #[cfg(feature = "avro")]
             Value::Avro { registry, .. } => {
-                crate::registry::Registry::new(registry.clone()).map_err(|e| {
-                    StreamError::Config {
-                        key: "source.registry",
-                        message: e.to_string(),
-                    }
-                })?;
+                open_registry(registry)?;
             }
         }
         if let Some(EventTime {
@@ -649,12 +639,7 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
                     registry, cache, ..
                 },
             ) => Some(crate::avro::AvroValues::new(
-                crate::registry::Registry::new(registry.clone()).map_err(|e| {
-                    StreamError::Config {
-                        key: "source.registry",
-                        message: e.to_string(),
-                    }
-                })?,
+                open_registry(registry)?,
                 Arc::clone(fields),
                 false,
                 format!("{} (keys)", ctx.name),
@@ -679,12 +664,7 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
                     cache,
                     evolution,
                 } => Some(crate::avro::AvroValues::new(
-                    crate::registry::Registry::new(registry.clone()).map_err(|e| {
-                        StreamError::Config {
-                            key: "source.registry",
-                            message: e.to_string(),
-                        }
-                    })?,
+                    open_registry(registry)?,
                     value,
                     self.format.strict,
                     ctx.name.clone(),
@@ -694,12 +674,7 @@ impl SourceFactory<RecordBatch> for KafkaArrowSource {
                 #[cfg(feature = "protobuf")]
                 Value::Protobuf { registry, cache } => Some(
                     crate::avro::AvroValues::new(
-                        crate::registry::Registry::new(registry.clone()).map_err(|e| {
-                            StreamError::Config {
-                                key: "source.registry",
-                                message: e.to_string(),
-                            }
-                        })?,
+                        open_registry(registry)?,
                         value,
                         self.format.strict,
                         ctx.name.clone(),
@@ -1108,6 +1083,18 @@ impl ArrowDecoder {
             fields,
         })
     }
+}
+
+/// A client of the registry of Avro or Protobuf values; a settings error
+/// names `source.registry`.
+#[cfg(feature = "avro")]
+fn open_registry(
+    config: &crate::registry::RegistryConfig,
+) -> StreamResult<crate::registry::Registry> {
+    crate::registry::Registry::new(config.clone()).map_err(|e| StreamError::Config {
+        key: "source.registry",
+        message: e.to_string(),
+    })
 }
 
 /// The values of `polled`; one larger than the limit makes its record bad

@@ -117,6 +117,27 @@ pub(crate) fn schema_id(payload: &[u8]) -> Option<u32> {
     }
 }
 
+/// A value in the wire format and its writer schema's id; a tombstone or a
+/// value not in the wire format is bad (`kind` names the values expected).
+fn wire<'a>(payload: Option<&'a [u8]>, kind: &str) -> Result<(&'a [u8], u32), BadRecord> {
+    let Some(payload) = payload else {
+        return Err(BadRecord::new(
+            BadReason::Undecodable,
+            format!("a record without a value (a tombstone); {kind} values are expected"),
+        ));
+    };
+    match schema_id(payload) {
+        Some(id) => Ok((payload, id)),
+        None => Err(BadRecord::new(
+            BadReason::Undecodable,
+            format!(
+                "not in the Confluent wire format (a zero byte, then a 4-byte schema id); starts with {:02x?}",
+                &payload[..payload.len().min(PREFIX)]
+            ),
+        )),
+    }
+}
+
 /// The Arrow schema arrow-avro decodes values of this Avro schema into.
 pub fn arrow_schema_of(avro: &str) -> Result<SchemaRef, String> {
     Ok(decoder_for(0, avro, 1)?.schema())
@@ -512,22 +533,12 @@ impl AvroValues {
             if bad[i].is_some() {
                 continue;
             }
-            let Some(payload) = payload else {
-                bad[i] = Some(BadRecord::new(
-                    BadReason::Undecodable,
-                    "a record without a value (a tombstone); Avro values are expected",
-                ));
-                continue;
-            };
-            let Some(id) = schema_id(payload) else {
-                bad[i] = Some(BadRecord::new(
-                    BadReason::Undecodable,
-                    format!(
-                        "not in the Confluent wire format (a zero byte, then a 4-byte schema id); starts with {:02x?}",
-                        &payload[..payload.len().min(PREFIX)]
-                    ),
-                ));
-                continue;
+            let (payload, id) = match wire(*payload, "Avro") {
+                Ok(w) => w,
+                Err(b) => {
+                    bad[i] = Some(b);
+                    continue;
+                }
             };
             match self.writers.get_mut(&id) {
                 None => {
@@ -653,19 +664,12 @@ impl AvroValues {
                 continue;
             }
             let undecodable = |m: String| Some(BadRecord::new(BadReason::Undecodable, m));
-            let Some(payload) = payload else {
-                bad[i] = undecodable(
-                    "a record without a value (a tombstone); Protobuf values are expected"
-                        .to_owned(),
-                );
-                continue;
-            };
-            let Some(id) = schema_id(payload) else {
-                bad[i] = undecodable(format!(
-                    "not in the Confluent wire format (a zero byte, then a 4-byte schema id); starts with {:02x?}",
-                    &payload[..payload.len().min(PREFIX)]
-                ));
-                continue;
+            let (payload, id) = match wire(*payload, "Protobuf") {
+                Ok(w) => w,
+                Err(b) => {
+                    bad[i] = Some(b);
+                    continue;
+                }
             };
             match self.writers.get(&id) {
                 Some(Writer::Proto(file)) => {

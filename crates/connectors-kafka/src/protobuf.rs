@@ -341,16 +341,7 @@ fn rfc3339(seconds: i64, nanos: i32) -> Result<String, String> {
     }
     let days = seconds.div_euclid(86_400);
     let rest = seconds.rem_euclid(86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (y, m, d) = tinyflow_api::civil_date(days);
     let fraction = if nanos == 0 {
         String::new()
     } else if nanos % 1000 == 0 {
