@@ -17,21 +17,20 @@ use std::time::Duration;
 use anyhow::Context;
 use arrow_array::cast::AsArray;
 use arrow_array::types::Int64Type;
-use arrow_array::{ArrayRef, BooleanArray, Float64Array, Int64Array, RecordBatch};
+use arrow_array::{ArrayRef, BooleanArray, Float64Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use arrow_select::filter::filter_record_batch;
-use tinyflow_api::{
-    AnyBatch, Collector, JobBuilder, JobId, Operator, OperatorContext, OperatorFactory,
-    StreamError, StreamResult,
-};
-use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
+use tinyflow_api::prelude::*;
 use tinyflow_connectors_iceberg::{
     CatalogConfig, Column, ColumnType, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec,
 };
 use tinyflow_connectors_kafka::{EventTime, JsonArrow, KafkaArrowSource, KafkaSourceConfig};
-use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_runtime::{
+    CheckpointConfig, JobRunner, LocalDirStore, RestartStrategy, RuntimeConfig,
+};
 
-/// Keeps bids of at least `min_price` cents and adds `price_eur`.
+/// Keeps bids of at least `min_price` cents and adds `price_eur`: an
+/// operator from record batches to record batches, one per subtask.
 struct PriceFilter {
     name: String,
     min_price: i64,
@@ -52,7 +51,7 @@ impl PriceFilter {
         let kept = filter_record_batch(batch, &keep).map_err(|e| e.to_string())?;
         let cents = kept
             .column_by_name("price")
-            .and_then(|c| c.as_any().downcast_ref::<Int64Array>())
+            .and_then(|c| c.as_primitive_opt::<Int64Type>())
             .ok_or("no int64 column `price`")?;
         let eur: Float64Array = cents.iter().map(|c| c.map(|c| c as f64 / 100.0)).collect();
         let mut columns: Vec<ArrayRef> = kept.columns().to_vec();
@@ -61,40 +60,25 @@ impl PriceFilter {
     }
 }
 
-impl Operator for PriceFilter {
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
-        let batches = batch
-            .downcast::<RecordBatch>()
-            .map_err(|_| StreamError::Graph {
-                message: format!("{} expects record batches", self.name),
-            })?;
+impl Operator<RecordBatch, RecordBatch> for PriceFilter {
+    fn process(
+        &mut self,
+        batches: Vec<RecordBatch>,
+        out: &mut Output<'_, RecordBatch>,
+    ) -> StreamResult<()> {
         let mut kept = Vec::with_capacity(batches.len());
         for b in &batches {
             // A batch that does not have the bid schema is a bug upstream.
-            let filtered = self.apply(b).map_err(|message| StreamError::Graph {
-                message: format!("{}: {message}", self.name),
+            let filtered = self.apply(b).map_err(|message| StreamError::User {
+                operator: self.name.clone(),
+                message,
             })?;
             if filtered.num_rows() > 0 {
                 kept.push(filtered);
             }
         }
-        out.batch(AnyBatch::new(kept));
+        out.emit(kept);
         Ok(())
-    }
-}
-
-struct PriceFilterFactory {
-    min_price: i64,
-    output: SchemaRef,
-}
-
-impl OperatorFactory for PriceFilterFactory {
-    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>> {
-        Ok(Box::new(PriceFilter {
-            name: format!("{}[{}]", ctx.name, ctx.subtask),
-            min_price: self.min_price,
-            output: Arc::clone(&self.output),
-        }))
     }
 }
 
@@ -133,13 +117,15 @@ async fn main() -> anyhow::Result<()> {
         JsonArrow::new(Arc::clone(&input)),
     )
     .with_event_time(EventTime::column("date_time").max_out_of_orderness(Duration::from_secs(5)));
-    let filtered = job.source("kafka", 2, source).transform::<RecordBatch>(
-        "price-filter",
-        PriceFilterFactory {
-            min_price,
-            output: Arc::clone(&output),
-        },
-    );
+    let filtered =
+        job.source("kafka", 2, source)
+            .transform("price-filter", move |ctx: &OperatorContext| {
+                Ok(PriceFilter {
+                    name: format!("{}[{}]", ctx.name, ctx.subtask),
+                    min_price,
+                    output: Arc::clone(&output),
+                })
+            });
     let sink = IcebergSink::new(
         IcebergSinkConfig::new(
             CatalogConfig::sqlite(&dir),

@@ -14,8 +14,9 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tinyflow_api::{CheckpointId, CheckpointStore};
+use tinyflow_api::CheckpointId;
 use tinyflow_benches::{AckRounds, bench_job, checkpoint_of_size};
+use tinyflow_checkpoint::CheckpointStore;
 use tinyflow_checkpoint::LocalDirStore;
 
 const TASK_COUNTS: [u32; 3] = [1, 64, 1024];

@@ -9,10 +9,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tinyflow_api::{
-    CheckpointId, CompletedCheckpoint, FromTask, JobId, StateHandle, TaskId, TaskRole, ToTask,
-};
+use tinyflow_api::{CheckpointId, JobId, TaskId};
 use tinyflow_checkpoint::{Action, CheckpointConfig, Coordinator, Event, Now};
+use tinyflow_checkpoint::{CompletedCheckpoint, FromTask, StateHandle, TaskRole, ToTask};
 use tokio::time::Instant;
 
 pub mod kafka;

@@ -11,9 +11,10 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tinyflow_api::{
-    CheckpointId, CheckpointStore, CompletedCheckpoint, Data, OperatorContext, Sink, SinkFactory,
-    SinkRestore, Source, SourceFactory, StreamError, StreamResult,
+    CheckpointId, Data, OperatorContext, Sink, SinkFactory, SinkRestore, Source, SourceFactory,
+    StreamError, StreamResult,
 };
+use tinyflow_checkpoint::{CheckpointStore, CompletedCheckpoint};
 
 /// A record's contribution to a [`Tally`]'s checksum.
 pub trait Fold {

@@ -6,8 +6,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tinyflow_api::testing::MemoryCheckpointStore;
-use tinyflow_api::{AbortReason, DeclineReason, FromTask, StateHandle, TaskRole, ToTask};
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
+use tinyflow_checkpoint::{AbortReason, DeclineReason, FromTask, StateHandle, TaskRole, ToTask};
 use tinyflow_checkpoint::{CheckpointConfig, CoordinatorHandle, DriverConfig, Error, Outcome};
 use tinyflow_tests::{Harness, SplitMix64, TaskSpec, cid, every, job_id, ms, tid};
 
@@ -353,7 +353,7 @@ async fn nothing_triggers_or_finishes_before_the_start_signal() {
     // The only source registered so far ends: that is not the job's end.
     h.send(FromTask::EndOfInput { task: tid(0) }).await;
     h.expect_silence(0, ms(500)).await;
-    let (tx, mut rx) = tinyflow_api::testing::control_channel(8);
+    let (tx, mut rx) = tinyflow_checkpoint::testing::control_channel(8);
     h.handle
         .register(tid(1), TaskRole::Source, tx)
         .await

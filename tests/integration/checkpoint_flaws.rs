@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use tinyflow_api::testing::MemoryCheckpointStore;
-use tinyflow_api::{AbortReason, FromTask, JobId, StateHandle, TaskRole, ToTask};
+use tinyflow_api::JobId;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
+use tinyflow_checkpoint::{AbortReason, FromTask, StateHandle, TaskRole, ToTask};
 use tinyflow_checkpoint::{
     CheckpointConfig, DriverConfig, Error, LocalDirStore, LossCause, Outcome,
 };

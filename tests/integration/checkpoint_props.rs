@@ -29,10 +29,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::Config;
-use tinyflow_api::{
-    AbortReason, CheckpointId, DeclineReason, FromTask, JobId, StateHandle, StreamError, TaskId,
-    TaskRole, ToTask,
-};
+use tinyflow_api::{CheckpointId, JobId, StreamError, TaskId};
+use tinyflow_checkpoint::{AbortReason, DeclineReason, FromTask, StateHandle, TaskRole, ToTask};
 use tinyflow_checkpoint::{Action, CheckpointConfig, Coordinator, Error, Event, Now, Phase};
 use tokio::time::Instant;
 

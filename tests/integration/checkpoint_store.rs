@@ -14,12 +14,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use tinyflow_api::{
-    CheckpointId, CheckpointStore, CompletedCheckpoint, CorruptReason, JobId, StateHandle,
-    StreamError, SystemWallClock, TaskId,
-};
+use tinyflow_api::{CheckpointId, CorruptReason, JobId, StreamError, TaskId};
 use tinyflow_checkpoint::store::{decode, encode};
 use tinyflow_checkpoint::{CheckpointConfig, CoordinatorDriver, DriverConfig, LocalDirStore};
+use tinyflow_checkpoint::{CheckpointStore, CompletedCheckpoint, StateHandle, SystemWallClock};
 
 /// Header bytes before the payload: magic, version, payload length, CRC-32.
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;

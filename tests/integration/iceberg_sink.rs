@@ -24,12 +24,14 @@ use arrow_array::{
     PrimitiveArray, RecordBatch, StringArray, TimestampMicrosecondArray,
 };
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
-use tinyflow_api::testing::{MemoryCheckpointStore, VecSource};
+use tinyflow_api::testing::VecSource;
+
 use tinyflow_api::{
     CheckpointId, JobBuilder, JobId, OperatorContext, Sink, SinkFactory, SinkRestore, Writer,
     WriterFactory,
 };
 use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression,
     DataFileMeta, Fault, FaultHook, IcebergSink, IcebergSinkConfig, PartitionField,

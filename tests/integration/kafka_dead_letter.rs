@@ -8,8 +8,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
+use tinyflow_api::testing::CollectingSink;
+
 use tinyflow_api::{CheckpointId, JobBuilder, JobId, OperatorContext, Source, SourceFactory};
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_connectors_kafka::testing::{
     ReadBack, bootstrap, create_topic, create_topic_with, produce, read_topic,
 };

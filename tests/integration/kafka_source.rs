@@ -13,11 +13,13 @@ use std::time::Duration;
 use arrow_array::{Array, Int32Array, Int64Array, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use serde::{Deserialize, Serialize};
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
+use tinyflow_api::testing::CollectingSink;
+
 use tinyflow_api::{
     JobBuilder, JobId, OperatorContext, Source, SourceFactory, SourceWatermark, StreamError,
 };
 use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_connectors_kafka::testing::{
     bootstrap, committed_offsets, create_topic, produce, produce_in_batches_of, produce_timed,
     read_topic,

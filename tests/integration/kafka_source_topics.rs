@@ -12,9 +12,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore};
+use tinyflow_api::testing::CollectingSink;
+
 use tinyflow_api::{JobBuilder, JobId, OperatorContext, Source, SourceFactory, StreamError};
 use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_connectors_kafka::testing::{
     TxProducer, add_partitions, bootstrap, create_topic, create_topic_with, delete_records_before,
     delete_topic, produce, produce_in_batches_of, produce_stream,

@@ -10,11 +10,14 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+use tinyflow_api::testing::{CollectingSink, VecSource};
+
 use tinyflow_api::{
-    CheckpointId, CheckpointStore, CompletedCheckpoint, JobBuilder, JobId, OperatorContext, Sink,
-    SinkFactory, SinkRestore, StreamResult, Writer, WriterFactory,
+    CheckpointId, JobBuilder, JobId, OperatorContext, Sink, SinkFactory, SinkRestore, StreamResult,
+    Writer, WriterFactory,
 };
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
+use tinyflow_checkpoint::{CheckpointStore, CompletedCheckpoint};
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::ms;
 

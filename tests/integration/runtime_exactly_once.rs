@@ -13,9 +13,11 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use proptest::test_runner::Config;
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+use tinyflow_api::testing::{CollectingSink, VecSource};
+
 use tinyflow_api::{JobBuilder, JobId};
 use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 use tinyflow_tests::ms;
 use tokio::time::Instant;
@@ -474,13 +476,13 @@ struct FailOnSnapshot {
     taken: u64,
 }
 
-impl tinyflow_api::Operator for FailOnSnapshot {
+impl tinyflow_api::Operator<u64, u64> for FailOnSnapshot {
     fn process(
         &mut self,
-        batch: tinyflow_api::AnyBatch,
-        out: &mut tinyflow_api::Collector,
+        batch: Vec<u64>,
+        out: &mut tinyflow_api::Output<'_, u64>,
     ) -> tinyflow_api::StreamResult<()> {
-        out.batch(batch);
+        out.emit(batch);
         Ok(())
     }
 
@@ -498,11 +500,11 @@ struct FailOnSnapshotFactory {
     at: u64,
 }
 
-impl tinyflow_api::OperatorFactory for FailOnSnapshotFactory {
+impl tinyflow_api::OperatorFactory<u64, u64> for FailOnSnapshotFactory {
     fn create(
         &self,
         _ctx: &tinyflow_api::OperatorContext,
-    ) -> tinyflow_api::StreamResult<Box<dyn tinyflow_api::Operator>> {
+    ) -> tinyflow_api::StreamResult<Box<dyn tinyflow_api::Operator<u64, u64>>> {
         Ok(Box::new(FailOnSnapshot {
             fired: Arc::clone(&self.fired),
             at: self.at,

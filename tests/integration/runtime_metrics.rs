@@ -6,9 +6,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+use tinyflow_api::testing::{CollectingSink, VecSource};
+
 use tinyflow_api::{JobBuilder, JobId};
 use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_runtime::{JobRunner, RuntimeConfig};
 use tinyflow_tests::ms;
 

@@ -10,12 +10,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+use tinyflow_api::testing::{CollectingSink, VecSource};
+
 use tinyflow_api::{
     CheckpointId, JobBuilder, JobId, OperatorContext, Sink, SinkFactory, SinkRestore, Source,
     SourceFactory, SourceWatermark, StreamResult, TumblingWindows,
 };
 use tinyflow_checkpoint::CheckpointConfig;
+use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::{SplitMix64, ms};
 

@@ -14,13 +14,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tinyflow_api::testing::{ManualWallClock, MemoryCheckpointStore, control_channel};
-use tinyflow_api::{
-    CheckpointId, CheckpointStore, FromTask, JobId, StateHandle, TaskId, TaskRole, ToTask,
-};
+use tinyflow_api::{CheckpointId, JobId, TaskId};
+use tinyflow_checkpoint::testing::{ManualWallClock, MemoryCheckpointStore, control_channel};
 use tinyflow_checkpoint::{
     CheckpointConfig, CoordinatorDriver, CoordinatorHandle, DriverConfig, Outcome, Restored,
 };
+use tinyflow_checkpoint::{CheckpointStore, FromTask, StateHandle, TaskRole, ToTask};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;

@@ -5,7 +5,7 @@
 //!   test mode, so they are compiled and exercised) with a real Kafka broker
 //!   started for them and stopped after, pyiceberg installed for them, docs
 //!   with warnings denied.
-//! - `demo`: the runnable demo of what tinyflow does so far.
+//! - `demo`: the README's demo (`tinyflow demo`: Kafka to Iceberg, no setup).
 //! - `kafka start|stop|status`: a real Apache Kafka broker on loopback for
 //!   integration tests (see `kafka.rs`).
 //! - `postgres start|stop|status`: a throwaway PostgreSQL server on
@@ -55,22 +55,16 @@ fn main() -> Result<()> {
         Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
         Some("demo") => run(
             "demo",
-            cargo(&[
-                "run",
-                "-p",
-                "tinyflow-checkpoint",
-                "--example",
-                "checkpoint_demo",
-                "--",
-            ])
-            .args(&args[1..]),
+            cargo(&["run", "-p", "tinyflow-cli", "--", "demo"]).args(&args[1..]),
         ),
         _ => {
             eprintln!(
                 "usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|s3|keycloak|py-setup>"
             );
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
-            eprintln!("  demo  run the checkpoint demo (pass demo options after `demo`)");
+            eprintln!(
+                "  demo  run the README's demo, `tinyflow demo` (pass its options after `demo`)"
+            );
             eprintln!(
                 "  kafka start|stop|kill|restart|resume|discard|status [--port N] [--secured] [--oidc-issuer URL]: a local Kafka broker for tests"
             );

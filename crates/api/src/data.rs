@@ -60,7 +60,7 @@ pub fn key_group<K: Hash + ?Sized>(key: &K, max_parallelism: u16) -> u16 {
 /// into contiguous ranges, one per subtask.
 ///
 /// ```
-/// use tinyflow_api::{owner_of_group, key_groups_of};
+/// use tinyflow_api::engine::{key_groups_of, owner_of_group};
 /// assert_eq!(owner_of_group(0, 128, 4), 0);
 /// assert_eq!(owner_of_group(127, 128, 4), 3);
 /// assert_eq!(key_groups_of(1, 128, 4), 32..64);
@@ -134,7 +134,7 @@ impl<T: Data> ErasedVec for Vec<T> {
 /// A batch of records of some type, as it travels between tasks.
 ///
 /// ```
-/// use tinyflow_api::AnyBatch;
+/// use tinyflow_api::engine::AnyBatch;
 /// let batch = AnyBatch::new(vec![1u64, 2, 3]);
 /// assert_eq!(batch.len(), 3);
 /// assert_eq!(batch.clone().downcast::<u64>().unwrap(), vec![1, 2, 3]);

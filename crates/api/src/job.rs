@@ -23,11 +23,15 @@ use std::marker::PhantomData;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use crate::operator::{TypedSinkFactory, TypedSourceFactory, TypedWriterFactory, downcast};
+use crate::data::{AnyBatch, key_group, owner_of_group};
+use crate::engine::{
+    ErasedOperatorFactory, ErasedSinkFactory, ErasedSourceFactory, ErasedWriterFactory,
+    TypedOperatorFactory, TypedSinkFactory, TypedSourceFactory, TypedWriterFactory, downcast,
+};
+use crate::operator::Output;
 use crate::{
-    AnyBatch, Collector, Data, ErasedSinkFactory, ErasedSourceFactory, ErasedWriterFactory, JobId,
-    Key, Operator, OperatorContext, OperatorFactory, OperatorState, SinkFactory, SourceFactory,
-    StateValue, StreamError, StreamResult, key_group, owner_of_group,
+    Data, JobId, Key, Operator, OperatorContext, OperatorFactory, OperatorState, SinkFactory,
+    SourceFactory, StateValue, StreamError, StreamResult,
 };
 
 /// Index of a node in a [`JobGraph`].
@@ -79,7 +83,7 @@ pub enum NodeKind {
     /// Reads from outside.
     Source(Box<dyn ErasedSourceFactory>),
     /// Transforms.
-    Operator(Box<dyn OperatorFactory>),
+    Operator(Box<dyn ErasedOperatorFactory>),
     /// Writes to outside with two-phase commit.
     Sink(Box<dyn ErasedSinkFactory>),
     /// Writes in parallel and sends what it wrote (committables) downstream
@@ -313,10 +317,11 @@ impl<T: Data> Stream<T> {
     pub(crate) fn then<U: Data>(
         self,
         name: &str,
-        factory: impl OperatorFactory + 'static,
+        factory: impl OperatorFactory<T, U> + 'static,
     ) -> Stream<U> {
         let parallelism = self.graph.borrow().nodes[self.node].parallelism;
-        self.connect(name, parallelism, NodeKind::Operator(Box::new(factory)))
+        let kind = NodeKind::Operator(Box::new(TypedOperatorFactory(factory, PhantomData)));
+        self.connect(name, parallelism, kind)
     }
 
     /// Adds a node fed by this stream (with the partitioning set on it) and
@@ -351,7 +356,7 @@ impl<T: Data> Stream<T> {
         mut self,
         name: &str,
         key: &KeyFn<K, T>,
-        factory: impl OperatorFactory + 'static,
+        factory: impl OperatorFactory<T, U> + 'static,
     ) -> Stream<U> {
         self.next = Some(Partitioning::Hash(Arc::new(HashPartitioner {
             key: Arc::clone(key),
@@ -359,14 +364,50 @@ impl<T: Data> Stream<T> {
         self.then(name, factory)
     }
 
-    /// Adds a custom operator; `factory` creates one instance per subtask.
-    /// Its batches must hold `U` records.
+    /// Adds a custom [`Operator`]; `factory` creates one instance per
+    /// subtask (a closure `|ctx: &OperatorContext| Ok(MyOperator::new(ctx))`
+    /// will do).
     pub fn transform<U: Data>(
         self,
         name: &str,
-        factory: impl OperatorFactory + 'static,
+        factory: impl OperatorFactory<T, U> + 'static,
     ) -> Stream<U> {
         self.then(name, factory)
+    }
+
+    /// Turns each batch into another with `f`, which may fail: an error
+    /// fails the job attempt (it restarts from the last checkpoint), so use
+    /// it for what retrying can mend or what must stop the job, and keep
+    /// bad records out of the batch otherwise.
+    ///
+    /// ```
+    /// use tinyflow_api::{JobBuilder, JobId, StreamError};
+    /// use tinyflow_api::testing::{CollectingSink, VecSource};
+    ///
+    /// let job = JobBuilder::new(JobId::new("parse").unwrap());
+    /// let sink = CollectingSink::<u64>::new();
+    /// job.source("text", 1, VecSource::new(vec![vec!["1".to_owned(), "2".into()]]))
+    ///     .try_map("parse", |batch: Vec<String>| {
+    ///         batch
+    ///             .iter()
+    ///             .map(|s| s.parse::<u64>().map_err(|e| StreamError::User {
+    ///                 operator: "parse".to_owned(),
+    ///                 message: format!("{s:?}: {e}"),
+    ///             }))
+    ///             .collect()
+    ///     })
+    ///     .sink("out", 1, sink.clone());
+    /// assert!(job.build().is_ok());
+    /// ```
+    pub fn try_map<U: Data>(
+        self,
+        name: &str,
+        f: impl Fn(Vec<T>) -> StreamResult<Vec<U>> + Clone + Send + Sync + 'static,
+    ) -> Stream<U> {
+        self.then(
+            name,
+            FnFactory(move || Stateless::<T, U, _>::new(f.clone())),
+        )
     }
 
     /// Adds a stateless operator that turns each batch into another.
@@ -375,11 +416,7 @@ impl<T: Data> Stream<T> {
         name: &str,
         f: impl Fn(Vec<T>) -> Vec<U> + Clone + Send + Sync + 'static,
     ) -> Stream<U> {
-        let op_name = name.to_owned();
-        self.then(
-            name,
-            FnFactory(move || Stateless::<T, U, _>::new(op_name.clone(), f.clone())),
-        )
+        self.try_map(name, move |records: Vec<T>| Ok(f(records)))
     }
 
     /// Applies `f` to every record.
@@ -496,7 +533,7 @@ impl<K: Key, T: Data> KeyedStream<K, T> {
     pub fn transform<U: Data>(
         self,
         name: &str,
-        factory: impl OperatorFactory + 'static,
+        factory: impl OperatorFactory<T, U> + 'static,
     ) -> Stream<U> {
         let (stream, key) = self.into_parts();
         stream.then_keyed(name, &key, factory)
@@ -538,33 +575,33 @@ impl<K: Key, T: Data> Partitioner for HashPartitioner<K, T> {
     }
 }
 
+/// An operator factory from a closure that ignores the context.
 pub(crate) struct FnFactory<F>(pub(crate) F);
 
-impl<O: Operator + 'static, F: Fn() -> O + Send + Sync> OperatorFactory for FnFactory<F> {
-    fn create(&self, _ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>> {
+impl<In: Data, Out: Data, O: Operator<In, Out> + 'static, F: Fn() -> O + Send + Sync>
+    OperatorFactory<In, Out> for FnFactory<F>
+{
+    fn create(&self, _ctx: &OperatorContext) -> StreamResult<Box<dyn Operator<In, Out>>> {
         Ok(Box::new((self.0)()))
     }
 }
 
 struct Stateless<T, U, F> {
-    name: String,
     f: F,
     _t: PhantomData<fn(T) -> U>,
 }
 
 impl<T, U, F> Stateless<T, U, F> {
-    fn new(name: String, f: F) -> Self {
-        Stateless {
-            name,
-            f,
-            _t: PhantomData,
-        }
+    fn new(f: F) -> Self {
+        Stateless { f, _t: PhantomData }
     }
 }
 
-impl<T: Data, U: Data, F: FnMut(Vec<T>) -> Vec<U> + Send> Operator for Stateless<T, U, F> {
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
-        out.batch(AnyBatch::new((self.f)(downcast::<T>(batch, &self.name)?)));
+impl<T: Data, U: Data, F: FnMut(Vec<T>) -> StreamResult<Vec<U>> + Send> Operator<T, U>
+    for Stateless<T, U, F>
+{
+    fn process(&mut self, batch: Vec<T>, out: &mut Output<'_, U>) -> StreamResult<()> {
+        out.emit((self.f)(batch)?);
         Ok(())
     }
 }
@@ -575,10 +612,10 @@ struct ReduceFactory<K, T, F> {
     name: String,
 }
 
-impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Clone + Send + Sync + 'static> OperatorFactory
+impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Clone + Send + Sync + 'static> OperatorFactory<T, T>
     for ReduceFactory<K, T, F>
 {
-    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>> {
+    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator<T, T>>> {
         Ok(Box::new(Reduce {
             key: Arc::clone(&self.key),
             f: self.f.clone(),
@@ -597,9 +634,8 @@ struct Reduce<K, T, F> {
     values: HashMap<K, T>,
 }
 
-impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Send> Operator for Reduce<K, T, F> {
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
-        let records = downcast::<T>(batch, &self.name)?;
+impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Send> Operator<T, T> for Reduce<K, T, F> {
+    fn process(&mut self, records: Vec<T>, out: &mut Output<'_, T>) -> StreamResult<()> {
         let mut updated = Vec::with_capacity(records.len());
         for r in records {
             let k = (self.key)(&r);
@@ -612,7 +648,7 @@ impl<K: Key, T: StateValue, F: Fn(&mut T, T) + Send> Operator for Reduce<K, T, F
             };
             updated.push(value.clone());
         }
-        out.batch(AnyBatch::new(updated));
+        out.emit(updated);
         Ok(())
     }
 

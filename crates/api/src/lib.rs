@@ -1,59 +1,73 @@
-//! The shared vocabulary of tinyflow.
+//! Writing tinyflow jobs and connectors.
 //!
-//! Every other crate speaks through the types defined here: id newtypes
-//! ([`CheckpointId`], [`TaskId`], [`JobId`], [`SinkId`]), the control messages
-//! exchanged between the checkpoint coordinator and the tasks ([`ToTask`],
-//! [`FromTask`]), the traits that join the crates ([`ControlChannel`],
-//! [`CheckpointStore`], [`WallClock`]) and the error type ([`StreamError`]).
-//!
-//! The crate is deliberately light: it depends on `tokio`'s `sync` module only,
-//! so a connector or a user crate can name the vocabulary without pulling in a
-//! runtime. In-memory fakes of the traits live behind the `testing` feature so
-//! every crate's tests share one set.
+//! A job is a graph built with [`JobBuilder`]: a [`Source`] feeds typed
+//! [`Stream`]s, which closures ([`Stream::map`], [`Stream::filter`],
+//! [`Stream::try_map`], [`KeyedStream::reduce`],
+//! [`KeyedStream::window_aggregate`]) or custom [`Operator`]s transform, and
+//! which end in a two-phase-commit [`Sink`] (or a parallel [`Writer`] in front
+//! of a committing sink). `tinyflow-runtime` runs the graph with exactly-once
+//! checkpoints; the connector crates provide Kafka sources and Iceberg sinks.
 //!
 //! ```
-//! use tinyflow_api::{CheckpointId, TaskId, ToTask};
+//! use tinyflow_api::prelude::*;
+//! use tinyflow_api::testing::{CollectingSink, VecSource};
 //!
-//! let first = CheckpointId::FIRST;
-//! assert_eq!(first.next(), CheckpointId::new(2));
-//! let msg = ToTask::TriggerCheckpoint { id: first, timestamp_ms: 1_700_000_000_000 };
-//! assert_eq!(msg.checkpoint_id(), first);
-//! assert_eq!(TaskId::new(3).to_string(), "task-3");
+//! let job = JobBuilder::new(JobId::new("word-lengths").unwrap());
+//! let lengths = CollectingSink::<(String, usize)>::new();
+//! job.source("words", 1, VecSource::new(vec![vec!["a".to_owned(), "bb".into()]]))
+//!     .map("length", |w: String| { let n = w.len(); (w, n) })
+//!     .filter("long", |(_, n): &(String, usize)| *n > 1)
+//!     .sink("out", 1, lengths.clone());
+//! let graph = job.build().unwrap();
+//! assert_eq!(graph.nodes.len(), 4);
 //! ```
+//!
+//! What is where:
+//! - **Jobs**: [`JobBuilder`], [`Stream`], [`KeyedStream`], windows
+//!   ([`TumblingWindows`], [`WindowedStream`]), record bounds ([`Data`],
+//!   [`Key`], [`StateValue`]).
+//! - **Custom operators**: [`Operator`], [`OperatorFactory`], [`Output`],
+//!   with their [`OperatorContext`] and checkpointed [`OperatorState`].
+//! - **Connectors**: [`Source`], [`Sink`], [`Writer`] and their factories;
+//!   the positions sources report ([`SourcePositions`]).
+//! - **Ids and errors**: [`JobId`], [`CheckpointId`], [`SinkId`],
+//!   [`StreamError`].
+//! - [`testing`] (feature `testing`): a replayable source and a collecting
+//!   sink for tests.
+//!
+//! The checkpoint protocol (control messages, checkpoint stores) lives in
+//! `tinyflow-checkpoint`; connectors never need it.
 
-mod channel;
-mod checkpoint;
-mod clock;
-mod control;
 mod data;
+#[doc(hidden)]
+pub mod engine;
 mod error;
 mod ids;
 mod job;
 mod operator;
 pub mod secrets;
+pub mod util;
 mod window;
 
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use channel::{BoxFuture, ChannelClosed, ControlChannel, TrySendError};
-pub use checkpoint::{CheckpointStore, CompletedCheckpoint, StateHandle};
-pub use clock::{SystemWallClock, WallClock, civil_date, this_process};
-pub use control::{AbortReason, DeclineReason, FromTask, TaskRole, ToTask};
-pub use data::{
-    AnyBatch, DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group, key_groups_of,
-    owner_of_group,
-};
+pub use data::{DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group};
 pub use error::{CorruptReason, StreamError, StreamResult, error_chain};
 pub use ids::{CheckpointId, IdError, JobId, SinkId, TaskId};
-pub use job::{
-    Edge, JobBuilder, JobGraph, KeyedStream, Node, NodeId, NodeKind, Partitioner, Partitioning,
-    Stream,
-};
+pub use job::{JobBuilder, JobGraph, KeyedStream, Stream};
 pub use operator::{
-    Collector, Emitted, ErasedSink, ErasedSinkFactory, ErasedSource, ErasedSourceFactory,
-    ErasedWriter, ErasedWriterFactory, JobPositions, Operator, OperatorContext, OperatorFactory,
-    OperatorState, Sink, SinkFactory, SinkRestore, Source, SourceFactory, SourcePositions,
-    SourceWatermark, Writer, WriterFactory, merge_positions,
+    JobPositions, Operator, OperatorContext, OperatorFactory, OperatorState, Output, Sink,
+    SinkFactory, SinkRestore, Source, SourceFactory, SourcePositions, SourceWatermark, Writer,
+    WriterFactory, merge_positions,
 };
 pub use window::{TumblingWindows, Window, WindowOutput, WindowedStream};
+
+/// What a job needs in scope: `use tinyflow_api::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        Data, JobBuilder, JobId, Key, KeyedStream, Operator, OperatorContext, OperatorFactory,
+        OperatorState, Output, StateValue, Stream, StreamError, StreamResult, TumblingWindows,
+        Window, WindowOutput,
+    };
+}

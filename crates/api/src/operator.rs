@@ -1,15 +1,19 @@
 //! What the runtime runs: operators, sources and sinks.
 //!
-//! Users write typed [`Source`]s and [`Sink`]s and pass closures to the job
-//! builder ([`crate::JobBuilder`]); the builder wraps them into the
-//! type-erased forms in this module ([`Operator`], [`ErasedSource`],
-//! [`ErasedSink`]), which the runtime drives with [`AnyBatch`]es.
+//! Users write typed [`Operator`]s, [`Source`]s, [`Sink`]s and [`Writer`]s
+//! (or pass closures to the job builder, [`crate::JobBuilder`]); the builder
+//! wraps them into the type-erased forms of [`crate::engine`], which the
+//! runtime drives with batches of any type.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{AnyBatch, CheckpointId, Data, StreamResult};
+use crate::data::AnyBatch;
+use crate::engine::Collector;
+use crate::{CheckpointId, Data, StreamResult};
 
 /// Where an operator instance runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,57 +38,80 @@ pub struct OperatorState {
     pub local: Option<Vec<u8>>,
 }
 
-/// What an operator emits while handling one input: batches and
+/// What an operator emits while handling one input: batches of `Out` and
 /// watermarks, in order.
-#[derive(Debug, Default)]
-pub struct Collector {
-    items: Vec<Emitted>,
+pub struct Output<'a, Out> {
+    collector: &'a mut Collector,
+    _t: PhantomData<fn(Out)>,
 }
 
-/// One item a [`Collector`] holds.
-#[derive(Debug)]
-pub enum Emitted {
-    /// Records.
-    Batch(AnyBatch),
-    /// Event time (ms since the Unix epoch) up to which no more records are
-    /// expected.
-    Watermark(i64),
+impl<Out> fmt::Debug for Output<'_, Out> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Output<{}>", std::any::type_name::<Out>())
+    }
 }
 
-impl Collector {
-    /// Emits records (an empty batch is dropped).
-    pub fn batch(&mut self, batch: AnyBatch) {
-        if !batch.is_empty() {
-            self.items.push(Emitted::Batch(batch));
+impl<'a, Out: Data> Output<'a, Out> {
+    /// An output that collects into `collector` (the engine's side).
+    pub(crate) fn new(collector: &'a mut Collector) -> Self {
+        Output {
+            collector,
+            _t: PhantomData,
         }
     }
 
-    /// Emits a watermark.
-    pub fn watermark(&mut self, watermark: i64) {
-        self.items.push(Emitted::Watermark(watermark));
+    /// Emits records (an empty batch is dropped).
+    pub fn emit(&mut self, records: Vec<Out>) {
+        self.collector.batch(AnyBatch::new(records));
     }
 
-    /// Takes what was emitted.
-    pub fn drain(&mut self) -> std::vec::Drain<'_, Emitted> {
-        self.items.drain(..)
+    /// Emits a watermark: event time (ms since the Unix epoch) up to which no
+    /// more records are expected.
+    pub fn watermark(&mut self, watermark: i64) {
+        self.collector.watermark(watermark);
     }
 }
 
-/// A type-erased transformation, one instance per subtask.
-pub trait Operator: Send {
+/// A transformation from batches of `In` to batches of `Out`, one instance
+/// per subtask: what [`Stream::transform`](crate::Stream::transform) adds.
+///
+/// Stateless per-batch work is simpler with
+/// [`Stream::map`](crate::Stream::map) or
+/// [`Stream::try_map`](crate::Stream::try_map); implement this trait for
+/// operators with state, watermarks or records held until the end.
+///
+/// ```
+/// use tinyflow_api::{Operator, OperatorState, Output, StreamResult};
+///
+/// /// Running count of the records seen, emitted after every batch.
+/// struct Count(u64);
+///
+/// impl Operator<String, u64> for Count {
+///     fn process(&mut self, batch: Vec<String>, out: &mut Output<'_, u64>) -> StreamResult<()> {
+///         self.0 += batch.len() as u64;
+///         out.emit(vec![self.0]);
+///         Ok(())
+///     }
+///
+///     fn snapshot(&mut self) -> StreamResult<OperatorState> {
+///         Ok(OperatorState { local: Some(self.0.to_le_bytes().to_vec()), ..OperatorState::default() })
+///     }
+/// }
+/// ```
+pub trait Operator<In: Data, Out: Data>: Send {
     /// Processes one input batch.
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()>;
+    fn process(&mut self, batch: Vec<In>, out: &mut Output<'_, Out>) -> StreamResult<()>;
 
     /// The combined watermark of the inputs advanced to `watermark`. The
     /// default forwards it.
-    fn on_watermark(&mut self, watermark: i64, out: &mut Collector) -> StreamResult<()> {
+    fn on_watermark(&mut self, watermark: i64, out: &mut Output<'_, Out>) -> StreamResult<()> {
         out.watermark(watermark);
         Ok(())
     }
 
     /// Every input reached its end (after a final watermark of `i64::MAX`):
     /// emit what is still held.
-    fn finish(&mut self, _out: &mut Collector) -> StreamResult<()> {
+    fn finish(&mut self, _out: &mut Output<'_, Out>) -> StreamResult<()> {
         Ok(())
     }
 
@@ -100,9 +127,23 @@ pub trait Operator: Send {
 }
 
 /// Creates an operator's instances.
-pub trait OperatorFactory: Send + Sync {
+///
+/// Any `Fn(&OperatorContext) -> StreamResult<O>` closure is one.
+pub trait OperatorFactory<In: Data, Out: Data>: Send + Sync {
     /// The instance for one subtask.
-    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>>;
+    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator<In, Out>>>;
+}
+
+impl<In, Out, O, F> OperatorFactory<In, Out> for F
+where
+    In: Data,
+    Out: Data,
+    O: Operator<In, Out> + 'static,
+    F: Fn(&OperatorContext) -> StreamResult<O> + Send + Sync,
+{
+    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator<In, Out>>> {
+        Ok(Box::new(self(ctx)?))
+    }
 }
 
 /// A source of typed records, one instance per subtask.
@@ -282,223 +323,4 @@ pub trait Writer<T: Data, C: Data>: Send {
 pub trait WriterFactory<T: Data, C: Data>: Send + Sync {
     /// The instance for one subtask.
     async fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Writer<T, C>>>;
-}
-
-/// [`Writer`] with the record types erased.
-#[async_trait::async_trait]
-pub trait ErasedWriter: Send {
-    /// See [`Writer::write`]; fails on a batch of another type.
-    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()>;
-    /// See [`Writer::flush`].
-    async fn flush(&mut self, id: CheckpointId) -> StreamResult<AnyBatch>;
-}
-
-/// [`WriterFactory`] with the record types erased.
-#[async_trait::async_trait]
-pub trait ErasedWriterFactory: Send + Sync {
-    /// See [`WriterFactory::create`].
-    async fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn ErasedWriter>>;
-}
-
-pub(crate) struct TypedWriter<T, C> {
-    pub(crate) inner: Box<dyn Writer<T, C>>,
-    pub(crate) name: String,
-}
-
-#[async_trait::async_trait]
-impl<T: Data, C: Data> ErasedWriter for TypedWriter<T, C> {
-    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()> {
-        let records = downcast::<T>(batch, &self.name)?;
-        self.inner.write(records).await
-    }
-
-    async fn flush(&mut self, id: CheckpointId) -> StreamResult<AnyBatch> {
-        Ok(AnyBatch::new(self.inner.flush(id).await?))
-    }
-}
-
-pub(crate) struct TypedWriterFactory<T, C, F>(
-    pub(crate) F,
-    pub(crate) std::marker::PhantomData<fn() -> (T, C)>,
-);
-
-#[async_trait::async_trait]
-impl<T: Data, C: Data, F: WriterFactory<T, C>> ErasedWriterFactory for TypedWriterFactory<T, C, F> {
-    async fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn ErasedWriter>> {
-        Ok(Box::new(TypedWriter {
-            inner: self.0.create(ctx).await?,
-            name: ctx.name.clone(),
-        }))
-    }
-}
-
-/// [`Source`] with the record type erased, as the runtime drives it.
-#[async_trait::async_trait]
-pub trait ErasedSource: Send {
-    /// See [`Source::next_batch`].
-    async fn next_batch(&mut self) -> StreamResult<Option<AnyBatch>>;
-    /// See [`Source::snapshot`].
-    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
-    /// See [`Source::positions`].
-    fn positions(&self) -> SourcePositions;
-    /// See [`Source::checkpoint_complete`].
-    async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()>;
-    /// See [`Source::watermark`].
-    fn watermark(&self) -> SourceWatermark;
-}
-
-/// [`SourceFactory`] with the record type erased.
-pub trait ErasedSourceFactory: Send + Sync {
-    /// See [`SourceFactory::create`].
-    fn create(
-        &self,
-        ctx: &OperatorContext,
-        restored: &[Vec<u8>],
-    ) -> StreamResult<Box<dyn ErasedSource>>;
-}
-
-/// [`Sink`] with the record type erased.
-#[async_trait::async_trait]
-pub trait ErasedSink: Send {
-    /// See [`Sink::write`]; fails on a batch of another type.
-    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()>;
-    /// See [`Sink::prepare_commit`].
-    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>>;
-    /// See [`Sink::commit`].
-    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()>;
-    /// See [`Sink::on_watermark`].
-    fn on_watermark(&mut self, watermark: i64);
-    /// See [`Sink::on_positions`].
-    fn on_positions(&mut self, id: CheckpointId, positions: &JobPositions);
-    /// See [`Sink::job_finished`].
-    async fn job_finished(&mut self) -> StreamResult<()>;
-}
-
-/// [`SinkFactory`] with the record type erased.
-#[async_trait::async_trait]
-pub trait ErasedSinkFactory: Send + Sync {
-    /// See [`SinkFactory::create`].
-    async fn create(
-        &self,
-        ctx: &OperatorContext,
-        restored: Option<SinkRestore<'_>>,
-    ) -> StreamResult<Box<dyn ErasedSink>>;
-
-    /// See [`SinkFactory::is_transactional`].
-    fn is_transactional(&self) -> bool;
-
-    /// See [`SinkFactory::last_committed`].
-    async fn last_committed(&self) -> StreamResult<Option<CheckpointId>>;
-}
-
-pub(crate) struct TypedSource<T>(pub(crate) Box<dyn Source<T>>);
-
-#[async_trait::async_trait]
-impl<T: Data> ErasedSource for TypedSource<T> {
-    async fn next_batch(&mut self) -> StreamResult<Option<AnyBatch>> {
-        Ok(self.0.next_batch().await?.map(AnyBatch::new))
-    }
-
-    fn snapshot(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
-        self.0.snapshot(id)
-    }
-
-    fn positions(&self) -> SourcePositions {
-        self.0.positions()
-    }
-
-    async fn checkpoint_complete(&mut self, id: CheckpointId) -> StreamResult<()> {
-        self.0.checkpoint_complete(id).await
-    }
-
-    fn watermark(&self) -> SourceWatermark {
-        self.0.watermark()
-    }
-}
-
-pub(crate) struct TypedSourceFactory<T, F>(
-    pub(crate) F,
-    pub(crate) std::marker::PhantomData<fn() -> T>,
-);
-
-impl<T: Data, F: SourceFactory<T>> ErasedSourceFactory for TypedSourceFactory<T, F> {
-    fn create(
-        &self,
-        ctx: &OperatorContext,
-        restored: &[Vec<u8>],
-    ) -> StreamResult<Box<dyn ErasedSource>> {
-        Ok(Box::new(TypedSource(self.0.create(ctx, restored)?)))
-    }
-}
-
-pub(crate) struct TypedSink<T> {
-    pub(crate) inner: Box<dyn Sink<T>>,
-    pub(crate) name: String,
-}
-
-#[async_trait::async_trait]
-impl<T: Data> ErasedSink for TypedSink<T> {
-    async fn write(&mut self, batch: AnyBatch) -> StreamResult<()> {
-        let records = downcast::<T>(batch, &self.name)?;
-        self.inner.write(records).await
-    }
-
-    async fn prepare_commit(&mut self, id: CheckpointId) -> StreamResult<Vec<u8>> {
-        self.inner.prepare_commit(id).await
-    }
-
-    async fn commit(&mut self, id: CheckpointId) -> StreamResult<()> {
-        self.inner.commit(id).await
-    }
-
-    fn on_watermark(&mut self, watermark: i64) {
-        self.inner.on_watermark(watermark);
-    }
-
-    fn on_positions(&mut self, id: CheckpointId, positions: &JobPositions) {
-        self.inner.on_positions(id, positions);
-    }
-
-    async fn job_finished(&mut self) -> StreamResult<()> {
-        self.inner.job_finished().await
-    }
-}
-
-pub(crate) struct TypedSinkFactory<T, F>(
-    pub(crate) F,
-    pub(crate) std::marker::PhantomData<fn() -> T>,
-);
-
-#[async_trait::async_trait]
-impl<T: Data, F: SinkFactory<T>> ErasedSinkFactory for TypedSinkFactory<T, F> {
-    async fn create(
-        &self,
-        ctx: &OperatorContext,
-        restored: Option<SinkRestore<'_>>,
-    ) -> StreamResult<Box<dyn ErasedSink>> {
-        let inner = self.0.create(ctx, restored).await?;
-        Ok(Box::new(TypedSink {
-            inner,
-            name: ctx.name.clone(),
-        }))
-    }
-
-    fn is_transactional(&self) -> bool {
-        self.0.is_transactional()
-    }
-
-    async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
-        self.0.last_committed().await
-    }
-}
-
-/// Unwraps a batch for operator `name`, or says which types disagreed.
-pub(crate) fn downcast<T: Data>(batch: AnyBatch, name: &str) -> StreamResult<Vec<T>> {
-    batch
-        .downcast::<T>()
-        .map_err(|b| crate::StreamError::TypeMismatch {
-            operator: name.to_owned(),
-            expected: std::any::type_name::<T>(),
-            found: b.type_name(),
-        })
 }

@@ -44,11 +44,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::data::key_group;
 use crate::job::{KeyedStream, Stream};
-use crate::operator::downcast;
+use crate::operator::Output;
 use crate::{
-    AnyBatch, Collector, Data, Key, Operator, OperatorContext, OperatorFactory, OperatorState,
-    StateValue, StreamError, StreamResult, key_group,
+    Data, Key, Operator, OperatorContext, OperatorFactory, OperatorState, StateValue, StreamError,
+    StreamResult,
 };
 
 /// A window of event time, `[start, end)` in ms since the Unix epoch.
@@ -195,13 +196,12 @@ struct WatermarkGenerator<T> {
     _t: PhantomData<fn(T)>,
 }
 
-impl<T: Data> Operator for WatermarkGenerator<T> {
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
-        let records = downcast::<T>(batch, &self.name)?;
+impl<T: Data> Operator<T, T> for WatermarkGenerator<T> {
+    fn process(&mut self, records: Vec<T>, out: &mut Output<'_, T>) -> StreamResult<()> {
         if let Some(max) = records.iter().map(|r| (self.timestamp)(r)).max() {
             self.max_seen = self.max_seen.max(max);
         }
-        out.batch(AnyBatch::new(records));
+        out.emit(records);
         let wm = self.max_seen.saturating_sub(self.bound);
         if wm > self.emitted {
             self.emitted = wm;
@@ -226,7 +226,7 @@ impl<T: Data> Operator for WatermarkGenerator<T> {
     }
 
     /// Upstream watermarks are replaced by this one's, except the final one.
-    fn on_watermark(&mut self, watermark: i64, out: &mut Collector) -> StreamResult<()> {
+    fn on_watermark(&mut self, watermark: i64, out: &mut Output<'_, T>) -> StreamResult<()> {
         if watermark == i64::MAX {
             self.emitted = i64::MAX;
             out.watermark(i64::MAX);
@@ -312,8 +312,13 @@ struct WindowFactory<K, T, A, O> {
     name: String,
 }
 
-impl<K: Key, T: StateValue, A: StateValue, O: Data> OperatorFactory for WindowFactory<K, T, A, O> {
-    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>> {
+impl<K: Key, T: StateValue, A: StateValue, O: Data> OperatorFactory<T, WindowOutput<O, T>>
+    for WindowFactory<K, T, A, O>
+{
+    fn create(
+        &self,
+        ctx: &OperatorContext,
+    ) -> StreamResult<Box<dyn Operator<T, WindowOutput<O, T>>>> {
         Ok(Box::new(WindowOperator {
             agg: Arc::clone(&self.agg),
             key: Arc::clone(&self.key),
@@ -348,9 +353,14 @@ impl<K: Key, T: StateValue, A: StateValue, O: Data> WindowOperator<K, T, A, O> {
     }
 }
 
-impl<K: Key, T: StateValue, A: StateValue, O: Data> Operator for WindowOperator<K, T, A, O> {
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
-        let records = downcast::<T>(batch, &self.name)?;
+impl<K: Key, T: StateValue, A: StateValue, O: Data> Operator<T, WindowOutput<O, T>>
+    for WindowOperator<K, T, A, O>
+{
+    fn process(
+        &mut self,
+        records: Vec<T>,
+        out: &mut Output<'_, WindowOutput<O, T>>,
+    ) -> StreamResult<()> {
         let mut emitted: Vec<WindowOutput<O, T>> = Vec::new();
         for r in records {
             let w = self
@@ -379,11 +389,15 @@ impl<K: Key, T: StateValue, A: StateValue, O: Data> Operator for WindowOperator<
                 emitted.push(WindowOutput::Result(self.agg.result(&k, w, &slot.acc)));
             }
         }
-        out.batch(AnyBatch::new(emitted));
+        out.emit(emitted);
         Ok(())
     }
 
-    fn on_watermark(&mut self, watermark: i64, out: &mut Collector) -> StreamResult<()> {
+    fn on_watermark(
+        &mut self,
+        watermark: i64,
+        out: &mut Output<'_, WindowOutput<O, T>>,
+    ) -> StreamResult<()> {
         self.watermark = watermark;
         let size = self.agg.windows().size;
         let mut emitted: Vec<WindowOutput<O, T>> = Vec::new();
@@ -404,7 +418,7 @@ impl<K: Key, T: StateValue, A: StateValue, O: Data> Operator for WindowOperator<
         self.windows.retain(|start, _| {
             (start.saturating_add(size) - 1).saturating_add(lateness) > watermark
         });
-        out.batch(AnyBatch::new(emitted));
+        out.emit(emitted);
         out.watermark(watermark);
         Ok(())
     }

@@ -25,12 +25,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use tinyflow_api::{
-    AbortReason, CheckpointId, CompletedCheckpoint, FromTask, JobId, StateHandle, StreamError,
-    TaskId, TaskRole, ToTask, error_chain,
-};
+use tinyflow_api::{CheckpointId, JobId, StreamError, TaskId, error_chain};
 use tokio::time::Instant;
 
+use crate::{AbortReason, CompletedCheckpoint, FromTask, StateHandle, TaskRole, ToTask};
 use crate::{CheckpointConfig, Error, LossCause};
 
 /// The current time, as the driver read it: a monotonic instant for every

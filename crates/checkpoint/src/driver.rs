@@ -19,14 +19,15 @@ use std::sync::Arc;
 
 use futures_util::future::{AbortHandle, Abortable};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use tinyflow_api::{
-    BoxFuture, ChannelClosed, CheckpointId, CheckpointStore, CompletedCheckpoint, ControlChannel,
-    FromTask, JobId, StreamResult, TaskId, TaskRole, ToTask, TrySendError, WallClock,
-};
+use tinyflow_api::{CheckpointId, JobId, StreamResult, TaskId};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::coordinator::{Action, Coordinator, Event, Now, Phase};
+use crate::{
+    BoxFuture, ChannelClosed, CheckpointStore, CompletedCheckpoint, ControlChannel, FromTask,
+    TaskRole, ToTask, TrySendError, WallClock,
+};
 use crate::{CheckpointConfig, Error, Result};
 
 /// Capacity of the inbound channel (acks, registrations) by default.

@@ -2,7 +2,9 @@
 
 use std::fmt;
 
-use tinyflow_api::{AbortReason, CheckpointId, StreamError, TaskId};
+use tinyflow_api::{CheckpointId, StreamError, TaskId};
+
+use crate::AbortReason;
 
 /// Result with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -4,9 +4,15 @@
 //!   in, actions out). Property-tested against a reference model.
 //! - [`CoordinatorDriver`]: the thin async shell that feeds it events from
 //!   channels, timers and the store, and performs its actions.
-//! - [`LocalDirStore`]: a [`CheckpointStore`](tinyflow_api::CheckpointStore)
-//!   in a local directory, with atomic writes, checksums, retention and
-//!   fallback to the previous checkpoint when the newest is damaged.
+//! - [`LocalDirStore`]: a [`CheckpointStore`] in a local directory, with
+//!   atomic writes, checksums, retention and fallback to the previous
+//!   checkpoint when the newest is damaged.
+//! - The protocol between the coordinator and the tasks: control messages
+//!   ([`ToTask`], [`FromTask`]), the [`ControlChannel`] they travel on, the
+//!   tasks' [`StateHandle`]s and the [`CompletedCheckpoint`]s a
+//!   [`CheckpointStore`] keeps, stamped by a [`WallClock`].
+//! - [`testing`] (feature `testing`): a memory store, a manual clock and
+//!   control channels for tests.
 //!
 //! A minimal job: one task that acks every checkpoint it is asked for.
 //!
@@ -14,9 +20,12 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use tinyflow_api::{FromTask, JobId, StateHandle, SystemWallClock, TaskId, TaskRole, ToTask};
-//! use tinyflow_api::testing::MemoryCheckpointStore;
-//! use tinyflow_checkpoint::{CheckpointConfig, CoordinatorDriver, DriverConfig, Outcome};
+//! use tinyflow_api::{JobId, TaskId};
+//! use tinyflow_checkpoint::testing::MemoryCheckpointStore;
+//! use tinyflow_checkpoint::{
+//!     CheckpointConfig, CoordinatorDriver, DriverConfig, FromTask, Outcome, StateHandle,
+//!     SystemWallClock, TaskRole, ToTask,
+//! };
 //!
 //! let config = CheckpointConfig { interval: Some(Duration::from_secs(1)), ..CheckpointConfig::default() };
 //! let store = MemoryCheckpointStore::new();
@@ -45,11 +54,22 @@
 //! # });
 //! ```
 
+mod channel;
+mod clock;
+mod completed;
 mod config;
+mod control;
 pub mod coordinator;
 pub mod driver;
 mod error;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use channel::{BoxFuture, ChannelClosed, ControlChannel, TrySendError};
+pub use clock::{SystemWallClock, WallClock};
+pub use completed::{CheckpointStore, CompletedCheckpoint, StateHandle};
+pub use control::{AbortReason, DeclineReason, FromTask, TaskRole, ToTask};
 
 pub use config::{CheckpointConfig, MAX_CONCURRENT_LIMIT};
 pub use coordinator::{Action, Coordinator, Event, Now, Phase};

@@ -33,10 +33,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tinyflow_api::{
-    CheckpointId, CheckpointStore, CompletedCheckpoint, CorruptReason, JobId, StateHandle,
-    StreamError, StreamResult, TaskId,
-};
+use tinyflow_api::{CheckpointId, CorruptReason, JobId, StreamError, StreamResult, TaskId};
+
+use crate::{CheckpointStore, CompletedCheckpoint, StateHandle};
 
 const MAGIC: &[u8; 8] = b"TFCKPT\r\n";
 const VERSION: u32 = 1;
@@ -244,7 +243,7 @@ impl Inner {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let holder = format!("{} since {since}", tinyflow_api::this_process());
+        let holder = format!("{} since {since}", tinyflow_api::util::this_process());
         let wrote = file
             .set_len(0)
             .and_then(|()| io::Seek::rewind(&mut file))

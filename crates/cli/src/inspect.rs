@@ -91,7 +91,7 @@ fn positions_line(summary: &HashMap<String, String>) -> String {
 fn millis_utc(ms: i64) -> String {
     let secs = ms.div_euclid(1000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = tinyflow_api::civil_date(days);
+    let (y, m, d) = tinyflow_api::util::civil_date(days);
     format!(
         "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
         rem / 3600,

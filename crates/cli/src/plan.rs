@@ -24,7 +24,7 @@ use tinyflow_connectors_kafka::{
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
 use crate::jobfile::{BytesColumn, CatalogSection, JobFile, RestartSection, SourceSection};
-use crate::transform::{TransformFactory, Transforms};
+use crate::transform::{TRANSFORMS_NODE, Transforms};
 use crate::{JobFileError, parse_duration};
 
 /// The source's node name, which keys its positions.
@@ -1049,12 +1049,10 @@ impl JobFile {
         let stream = if self.transforms.is_empty() {
             stream
         } else {
-            stream.transform::<RecordBatch>(
-                "transforms",
-                TransformFactory {
-                    transforms: Arc::new(transforms),
-                },
-            )
+            let transforms = Arc::new(transforms);
+            stream.try_map(TRANSFORMS_NODE, move |batches: Vec<RecordBatch>| {
+                transforms.apply_all(batches)
+            })
         };
         sink.attach(stream, "iceberg", sink_parallelism);
         let graph = job.build().map_err(|e| err("job", e.to_string()))?;

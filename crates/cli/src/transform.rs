@@ -14,9 +14,7 @@ use arrow_cast::cast;
 use arrow_ord::cmp;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use arrow_select::filter::filter_record_batch;
-use tinyflow_api::{
-    AnyBatch, Collector, Operator, OperatorContext, OperatorFactory, StreamError, StreamResult,
-};
+use tinyflow_api::{StreamError, StreamResult};
 
 use crate::JobFileError;
 use crate::jobfile::TransformSection;
@@ -603,52 +601,26 @@ fn apply_step(step: &Transform, batch: &RecordBatch) -> Result<RecordBatch, Stri
     }
 }
 
-/// The transforms as one operator on record batches.
-#[derive(Debug)]
-pub(crate) struct TransformFactory {
-    pub(crate) transforms: Arc<Transforms>,
-}
-
-struct TransformOperator {
-    name: String,
-    transforms: Arc<Transforms>,
-}
-
-impl OperatorFactory for TransformFactory {
-    fn create(&self, ctx: &OperatorContext) -> StreamResult<Box<dyn Operator>> {
-        Ok(Box::new(TransformOperator {
-            name: format!("{}[{}]", ctx.name, ctx.subtask),
-            transforms: Arc::clone(&self.transforms),
-        }))
-    }
-}
-
-impl Operator for TransformOperator {
-    fn process(&mut self, batch: AnyBatch, out: &mut Collector) -> StreamResult<()> {
-        let batches = batch
-            .downcast::<RecordBatch>()
-            .map_err(|_| StreamError::Graph {
-                message: format!("{} expects record batches", self.name),
-            })?;
+impl Transforms {
+    /// The transforms applied to every batch of one input batch of the
+    /// job's `transforms` node; batches left empty are dropped.
+    pub(crate) fn apply_all(&self, batches: Vec<RecordBatch>) -> StreamResult<Vec<RecordBatch>> {
         let mut kept = Vec::with_capacity(batches.len());
         for b in &batches {
-            let t = self
-                .transforms
-                .apply(b)
-                .map_err(|message| StreamError::User {
-                    operator: self.name.clone(),
-                    message,
-                })?;
+            let t = self.apply(b).map_err(|message| StreamError::User {
+                operator: TRANSFORMS_NODE.to_owned(),
+                message,
+            })?;
             if t.num_rows() > 0 {
                 kept.push(t);
             }
         }
-        if !kept.is_empty() {
-            out.batch(AnyBatch::new(kept));
-        }
-        Ok(())
+        Ok(kept)
     }
 }
+
+/// The name of the job's transforms node.
+pub(crate) const TRANSFORMS_NODE: &str = "transforms";
 
 #[cfg(test)]
 mod tests {

@@ -421,7 +421,7 @@ impl SinkTable {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
-            let owner = format!("{} at {at}", tinyflow_api::this_process());
+            let owner = format!("{} at {at}", tinyflow_api::util::this_process());
             let tx = Transaction::new(&table);
             let append = tx.fast_append().set_snapshot_properties(HashMap::from([
                 (SUMMARY_EPOCH_CLAIM.to_owned(), sink.clone()),

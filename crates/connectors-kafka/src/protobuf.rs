@@ -341,7 +341,7 @@ fn rfc3339(seconds: i64, nanos: i32) -> Result<String, String> {
     }
     let days = seconds.div_euclid(86_400);
     let rest = seconds.rem_euclid(86_400);
-    let (y, m, d) = tinyflow_api::civil_date(days);
+    let (y, m, d) = tinyflow_api::util::civil_date(days);
     let fraction = if nanos == 0 {
         String::new()
     } else if nanos % 1000 == 0 {

@@ -11,9 +11,9 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //! use tinyflow_api::{JobBuilder, JobId};
-//! use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
-//! use tinyflow_checkpoint::CheckpointConfig;
-//! use tinyflow_runtime::{JobRunner, RuntimeConfig};
+//! use tinyflow_api::testing::{CollectingSink, VecSource};
+//! use tinyflow_checkpoint::testing::MemoryCheckpointStore;
+//! use tinyflow_runtime::{CheckpointConfig, JobRunner, RuntimeConfig};
 //!
 //! let job = JobBuilder::new(JobId::new("doubles").unwrap());
 //! let sink = CollectingSink::<u64>::new();
@@ -45,3 +45,7 @@ pub use error::{Error, Result};
 pub use restart::RestartStrategy;
 pub use runner::{DEFAULT_BUDGET_RESET, JobReport, JobRunner, RuntimeConfig, StopHandle};
 pub use task::Message;
+/// What a job's runner is configured with, from the checkpoint crate: the
+/// checkpoint settings and the local-directory store, so that a job needs
+/// no direct dependency on `tinyflow-checkpoint`.
+pub use tinyflow_checkpoint::{CheckpointConfig, CheckpointStore, LocalDirStore};

@@ -13,10 +13,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use tinyflow_api::engine::{NodeId, NodeKind, Partitioning};
 use tinyflow_api::{
-    BoxFuture, CheckpointId, CheckpointStore, FromTask, JobGraph, NodeId, NodeKind,
-    OperatorContext, Partitioning, SinkRestore, StreamError, SystemWallClock, TaskId, TaskRole,
-    WallClock, error_chain,
+    CheckpointId, JobGraph, OperatorContext, SinkRestore, StreamError, TaskId, error_chain,
+};
+use tinyflow_checkpoint::{
+    BoxFuture, CheckpointStore, FromTask, SystemWallClock, TaskRole, WallClock,
 };
 use tinyflow_checkpoint::{
     CheckpointConfig, CoordinatorDriver, CoordinatorHandle, DriverConfig, Outcome,
@@ -529,7 +531,7 @@ impl JobRunner {
             .map(|n| (0..n.parallelism).map(|_| Vec::new()).collect())
             .collect();
         let cap = self.config.channel_capacity.max(1);
-        let inside = |e: &tinyflow_api::Edge| {
+        let inside = |e: &tinyflow_api::engine::Edge| {
             chains
                 .iter()
                 .any(|c| c.windows(2).any(|w| w == [e.from, e.to]))
@@ -697,8 +699,10 @@ fn drive(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tinyflow_api::testing::{CollectingSink, MemoryCheckpointStore, VecSource};
+    use tinyflow_api::testing::{CollectingSink, VecSource};
+
     use tinyflow_api::{JobBuilder, JobId};
+    use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 
     fn runner(chaining: bool) -> JobRunner {
         let job = JobBuilder::new(JobId::new("chains").unwrap());

@@ -10,10 +10,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
-use tinyflow_api::{
-    CheckpointId, CompletedCheckpoint, OperatorState, StateHandle, StreamError, StreamResult,
-    key_groups_of,
-};
+use tinyflow_api::engine::key_groups_of;
+use tinyflow_api::{CheckpointId, OperatorState, StreamError, StreamResult};
+use tinyflow_checkpoint::{CompletedCheckpoint, StateHandle};
 
 /// What one task (a chain of nodes) contributes to a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

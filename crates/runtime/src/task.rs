@@ -29,11 +29,13 @@ use std::future::poll_fn;
 use std::sync::Arc;
 use std::task::Poll;
 
-use tinyflow_api::{
-    AnyBatch, CheckpointId, Collector, Emitted, ErasedSink, ErasedSource, ErasedWriter, FromTask,
-    JobPositions, Operator, Partitioning, SourceWatermark, TaskId, ToTask, merge_positions,
+use tinyflow_api::engine::{
+    AnyBatch, Collector, Emitted, ErasedOperator, ErasedSink, ErasedSource, ErasedWriter,
+    Partitioning,
 };
+use tinyflow_api::{CheckpointId, JobPositions, SourceWatermark, TaskId, merge_positions};
 use tinyflow_checkpoint::CoordinatorHandle;
+use tinyflow_checkpoint::{FromTask, ToTask};
 use tokio::sync::mpsc;
 
 use crate::state::{NodeState, TaskSnapshot};
@@ -208,7 +210,7 @@ impl TaskMetrics {
 /// An operator in a chain, with its record counters.
 pub(crate) struct ChainOp {
     pub(crate) name: String,
-    pub(crate) op: Box<dyn Operator>,
+    pub(crate) op: Box<dyn ErasedOperator>,
     pub(crate) records_in: metrics::Counter,
     pub(crate) records_out: metrics::Counter,
 }

@@ -104,7 +104,7 @@ fn chrono_like(ms: i64) -> String {
 
 /// Days since the epoch as `YYYY-MM-DD` (proleptic Gregorian).
 fn date_of(days: i64) -> String {
-    let (y, m, d) = tinyflow_api::civil_date(days);
+    let (y, m, d) = tinyflow_api::util::civil_date(days);
     format!("{y:04}-{m:02}-{d:02}")
 }
 

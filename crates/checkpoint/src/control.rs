@@ -8,7 +8,9 @@
 
 use std::fmt;
 
-use crate::{CheckpointId, StateHandle, TaskId};
+use tinyflow_api::{CheckpointId, TaskId};
+
+use crate::StateHandle;
 
 /// What a task does in the job, as far as checkpointing cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

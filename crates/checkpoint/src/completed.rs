@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::{CheckpointId, JobId, StreamResult, TaskId};
+use tinyflow_api::{CheckpointId, JobId, StreamResult, TaskId};
 
 /// One task's snapshot for one checkpoint: opaque bytes the task alone
 /// interprets (source offsets, pending data files, operator state).
@@ -16,7 +16,7 @@ use crate::{CheckpointId, JobId, StreamResult, TaskId};
 /// Cloning is cheap (the bytes are shared).
 ///
 /// ```
-/// use tinyflow_api::StateHandle;
+/// use tinyflow_checkpoint::StateHandle;
 /// let h = StateHandle::from(b"offsets:0=42".to_vec());
 /// assert_eq!(h.as_bytes(), b"offsets:0=42");
 /// assert!(StateHandle::empty().is_empty());

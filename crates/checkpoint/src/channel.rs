@@ -70,7 +70,7 @@ impl ControlChannel for tokio::sync::mpsc::Sender<ToTask> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::CheckpointId;
+    use tinyflow_api::CheckpointId;
 
     fn notify(n: u64) -> ToTask {
         ToTask::NotifyComplete {

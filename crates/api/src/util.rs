@@ -1,32 +1,4 @@
-//! Wall-clock time for metadata.
-//!
-//! Ordering and timeouts use `tokio::time` (so tests run under a paused
-//! clock); wall-clock stamps only label metadata and come in through this
-//! trait, so tests can fix them.
-
-use std::fmt;
-use std::time::{SystemTime, UNIX_EPOCH};
-
-/// A source of wall-clock time, in milliseconds since the Unix epoch.
-pub trait WallClock: Send + Sync + fmt::Debug {
-    /// Now, in milliseconds since the Unix epoch.
-    fn now_millis(&self) -> u64;
-}
-
-/// The system's clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemWallClock;
-
-impl WallClock for SystemWallClock {
-    fn now_millis(&self) -> u64 {
-        // A clock before 1970 is a misconfigured host; 0 keeps metadata
-        // writable rather than failing a checkpoint over a label.
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
-    }
-}
+//! Small helpers every crate uses: who this process is, calendar dates.
 
 /// This process, as tools and other runs should see it: `pid N on HOST`.
 /// For lock holders and sink epochs, so that an operator can find a run
@@ -46,9 +18,9 @@ pub fn this_process() -> String {
 /// times without a date library.
 ///
 /// ```
-/// assert_eq!(tinyflow_api::civil_date(0), (1970, 1, 1));
-/// assert_eq!(tinyflow_api::civil_date(19_700), (2023, 12, 9));
-/// assert_eq!(tinyflow_api::civil_date(-1), (1969, 12, 31));
+/// assert_eq!(tinyflow_api::util::civil_date(0), (1970, 1, 1));
+/// assert_eq!(tinyflow_api::util::civil_date(19_700), (2023, 12, 9));
+/// assert_eq!(tinyflow_api::util::civil_date(-1), (1969, 12, 31));
 /// ```
 pub fn civil_date(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
