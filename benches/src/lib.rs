@@ -55,17 +55,7 @@ pub const WALL_START_MS: u64 = 1_700_000_000_000;
 
 /// `len` bytes of a SplitMix64 stream started at `seed`.
 pub fn pseudo_random(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    tinyflow_tests::SplitMix64::new(seed).bytes(len)
 }
 
 /// The benchmarks' job id.

@@ -20,7 +20,7 @@ async fn slow_acks_do_not_move_the_fixed_rate_grid() {
         assert_eq!(h.elapsed(), ms(100 * n));
         tokio::time::sleep(ms(70)).await;
         h.ack(0, id, b"").await;
-        assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+        h.expect_notified(&[0], id).await;
     }
     h.shutdown().await.unwrap();
 }
@@ -39,7 +39,7 @@ async fn min_pause_is_kept_after_each_completion() {
         assert_eq!(h.elapsed(), ms(expected));
         tokio::time::sleep(ms(10)).await;
         h.ack(0, id, b"").await;
-        assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+        h.expect_notified(&[0], id).await;
     }
     h.shutdown().await.unwrap();
 }
@@ -61,10 +61,7 @@ async fn store_failure_aborts_the_checkpoint_and_the_next_one_retries() {
     let second = h.expect_trigger(0, ms(100)).await;
     assert_eq!(h.elapsed(), ms(200));
     h.ack(0, second, b"b").await;
-    assert_eq!(
-        h.expect(0, ms(1)).await,
-        ToTask::NotifyComplete { id: second }
-    );
+    h.expect_notified(&[0], second).await;
     assert_eq!(store.attempted_ids(), vec![first, second]);
     assert_eq!(store.persisted_ids(), vec![second]);
     h.shutdown().await.unwrap();
@@ -87,7 +84,7 @@ async fn failures_past_tolerance_fail_the_job_and_a_completion_resets_the_count(
         let id = h.expect_trigger(0, ms(100)).await;
         if complete {
             h.ack(0, id, b"").await;
-            assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+            h.expect_notified(&[0], id).await;
         } else {
             h.send(decline(id)).await;
             assert!(matches!(
@@ -146,10 +143,7 @@ async fn deregistration_aborts_waiting_checkpoints_without_failing_the_job() {
     // checkpoint no longer waits for task 1.
     let next = h.expect_trigger(0, ms(100)).await;
     h.ack(0, next, b"").await;
-    assert_eq!(
-        h.expect(0, ms(1)).await,
-        ToTask::NotifyComplete { id: next }
-    );
+    h.expect_notified(&[0], next).await;
     h.shutdown().await.unwrap();
 }
 
@@ -365,7 +359,7 @@ async fn nothing_triggers_or_finishes_before_the_start_signal() {
     assert!(matches!(rx.recv().await, Some(ToTask::TriggerCheckpoint { id: t, .. }) if t == id));
     h.ack(0, id, b"").await;
     h.ack(1, id, b"").await;
-    assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+    h.expect_notified(&[0], id).await;
     // Now the second source ends too: the final checkpoint follows at once.
     h.send(FromTask::EndOfInput { task: tid(1) }).await;
     let last = h.expect_trigger(0, ms(1)).await;
@@ -388,12 +382,7 @@ async fn a_stop_request_finishes_the_job_with_a_final_checkpoint() {
     assert_eq!(h.expect_trigger(1, ms(1)).await, first);
     h.ack(0, first, b"s1").await;
     h.ack(1, first, b"c1").await;
-    for task in 0..2 {
-        assert_eq!(
-            h.expect(task, ms(1)).await,
-            ToTask::NotifyComplete { id: first }
-        );
-    }
+    h.expect_notified(&[0, 1], first).await;
     tokio::time::sleep(ms(2_500)).await;
     h.request_stop();
     let last = h.expect_trigger(0, ms(1)).await;
@@ -408,12 +397,7 @@ async fn a_stop_request_finishes_the_job_with_a_final_checkpoint() {
     assert!(!h.job.is_finished());
     h.ack(0, last, b"s2").await;
     h.ack(1, last, b"c2").await;
-    for task in 0..2 {
-        assert_eq!(
-            h.expect(task, ms(1)).await,
-            ToTask::NotifyComplete { id: last }
-        );
-    }
+    h.expect_notified(&[0, 1], last).await;
     assert_eq!(
         h.outcome().await.unwrap(),
         Outcome::Finished {

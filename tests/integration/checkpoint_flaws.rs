@@ -1,6 +1,8 @@
-//! One regression test per flaw of the seed's checkpoint manager
-//! (`shared/seed/README.md`), each named after the flaw and written so the
-//! seed's behaviour fails it.
+//! One regression test per flaw of the checkpoint manager tinyflow grew from
+//! (the seed), each named after the flaw, with the seed's behaviour in its
+//! doc comment, and written so that behaviour fails it. The driver's other
+//! behaviour is in `checkpoint_driver.rs`; both play the tasks through
+//! `tinyflow_tests::Harness`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -39,7 +41,7 @@ async fn flaw_01_notify_only_after_durable_and_never_partial() {
     assert!(store.persisted_ids().is_empty());
 
     store.open();
-    assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+    h.expect_notified(&[0], id).await;
     let durable = store.get(id).expect("durable before notify");
     assert_eq!(
         durable.task_states[&tid(0)],
@@ -56,7 +58,7 @@ async fn flaw_01_notify_only_after_durable_and_never_partial() {
     assert!(next > id);
     assert!(!h.job.is_finished(), "a full channel must not end the job");
     assert!(matches!(h.expect(1, ms(1)).await, ToTask::TriggerCheckpoint { id: t, .. } if t == id));
-    assert_eq!(h.expect(1, ms(1)).await, ToTask::NotifyComplete { id });
+    h.expect_notified(&[1], id).await;
     assert_eq!(h.shutdown().await.unwrap(), Outcome::Shutdown);
 }
 
@@ -195,10 +197,7 @@ async fn flaw_04_unacked_checkpoint_times_out_and_the_next_proceeds() {
     let second = h.expect_trigger(0, ms(1)).await;
     assert_eq!((second, h.elapsed()), (cid(2), ms(350)));
     h.ack(0, second, b"").await;
-    assert_eq!(
-        h.expect(0, ms(1)).await,
-        ToTask::NotifyComplete { id: second }
-    );
+    h.expect_notified(&[0], second).await;
     assert_eq!(h.expect_trigger(0, ms(100)).await, cid(3));
     assert_eq!(h.elapsed(), ms(400));
     assert_eq!(store.persisted_ids(), vec![cid(2)]);
@@ -226,14 +225,7 @@ async fn flaw_05_full_control_channel_delays_and_does_not_fail() {
     assert!(!h.job.is_finished());
     assert_eq!(h.expect_trigger(1, ms(1)).await, first);
     h.ack(1, first, b"").await;
-    assert_eq!(
-        h.expect(0, ms(1)).await,
-        ToTask::NotifyComplete { id: first }
-    );
-    assert_eq!(
-        h.expect(1, ms(1)).await,
-        ToTask::NotifyComplete { id: first }
-    );
+    h.expect_notified(&[0, 1], first).await;
     assert_eq!(store.persisted_ids(), vec![first]);
     h.shutdown().await.unwrap();
 }
@@ -310,12 +302,7 @@ async fn flaw_07_bounded_job_takes_a_final_checkpoint_before_finishing() {
     for task in 0..3 {
         h.ack(task, last, format!("final-{task}").as_bytes()).await;
     }
-    for task in 0..3 {
-        assert_eq!(
-            h.expect(task, ms(1)).await,
-            ToTask::NotifyComplete { id: last }
-        );
-    }
+    h.expect_notified(&[0, 1, 2], last).await;
     assert_eq!(
         h.outcome().await.unwrap(),
         Outcome::Finished {
@@ -461,7 +448,7 @@ async fn flaw_10_reports_through_tracing_with_structured_fields() {
         .unwrap();
     let id = h.expect_trigger(0, ms(100)).await;
     h.ack(0, id, b"abc").await;
-    assert_eq!(h.expect(0, ms(1)).await, ToTask::NotifyComplete { id });
+    h.expect_notified(&[0], id).await;
     h.shutdown().await.unwrap();
 
     let events: Vec<_> = captured

@@ -5,7 +5,7 @@
 //! and failed tasks, end of input, stop requests, store successes and failures) drive the
 //! real [`Coordinator`] while a small reference model follows along. After
 //! every step the model checks the actions against the exactly-once contract
-//! (`shared/design/exactly-once.md`):
+//! (`docs/exactly-once.md`):
 //!
 //! - I2: a checkpoint is persisted only when every task live at its trigger
 //!   acked, with exactly their states; notified only after the store reported

@@ -33,17 +33,7 @@ fn cid(raw: u64) -> CheckpointId {
 /// `len` bytes from a fixed-seed SplitMix64 stream: deterministic, and no
 /// two seeds give the same bytes, so a mixed-up task state shows.
 fn pseudo_random(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    tinyflow_tests::SplitMix64::new(seed).bytes(len)
 }
 
 fn checkpoint(

@@ -5,7 +5,6 @@
 //! leaves a transactional id without owner, and restarts of a job; a bad
 //! record larger than the topic takes is sent truncated, saying so.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tinyflow_api::testing::CollectingSink;
@@ -18,7 +17,8 @@ use tinyflow_connectors_kafka::testing::{
 use tinyflow_connectors_kafka::{
     BadRecordPolicy, Format, KafkaRecord, KafkaSource, KafkaSourceConfig,
 };
-use tinyflow_runtime::{JobRunner, RestartStrategy};
+use tinyflow_runtime::RestartStrategy;
+use tinyflow_tests::run_in_memory;
 use tokio::time::Instant;
 
 use crate::kafka_source::{Rec, fresh_topic, run_ids, runtime_config, sorted, source_config};
@@ -253,14 +253,9 @@ async fn a_bad_record_too_large_for_the_dead_letter_topic_is_sent_truncated() {
     job.source("kafka", 1, KafkaSource::new(config, Format::<Rec>::json()))
         .map("id", |r: KafkaRecord<Rec>| r.value.id)
         .sink("out", 1, sink.clone());
-    let report = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        runtime_config(RestartStrategy::None),
-    )
-    .run()
-    .await
-    .unwrap();
+    let report = run_in_memory(job, runtime_config(RestartStrategy::None))
+        .await
+        .unwrap();
     assert_eq!(report.attempts, 1);
     assert_eq!(
         sorted(sink.committed()),

@@ -30,6 +30,7 @@ use tinyflow_connectors_kafka::{
 };
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
 use tinyflow_tests::broker::OwnBroker;
+use tinyflow_tests::run_in_memory;
 use tokio::time::Instant;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -359,15 +360,13 @@ async fn run_policy(
     job.source("kafka", 1, KafkaSource::new(config, Format::<Rec>::json()))
         .map("id", |r: KafkaRecord<Rec>| r.value.id)
         .sink("out", 1, sink.clone());
-    let report = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
+    let report = run_in_memory(
+        job,
         runtime_config(RestartStrategy::FixedDelay {
             delay: Duration::from_millis(10),
             max_attempts: 2,
         }),
     )
-    .run()
     .await?;
     Ok(report.attempts)
 }
@@ -636,15 +635,13 @@ async fn run_arrow(topic: &str, policy: BadRecordPolicy) -> Result<Vec<(u64, i32
         .flat_map("rows", rows_of)
         .rebalance()
         .sink("out", 1, sink.clone());
-    JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
+    run_in_memory(
+        job,
         runtime_config(RestartStrategy::FixedDelay {
             delay: Duration::from_millis(10),
             max_attempts: 2,
         }),
     )
-    .run()
     .await?;
     let mut rows = sink.committed();
     rows.sort_unstable();
@@ -814,13 +811,7 @@ async fn run_limited(topic: &str, policy: BadRecordPolicy) -> Result<Vec<u64>, E
         ids.values().iter().map(|i| *i as u64).collect::<Vec<_>>()
     })
     .sink("out", 1, sink.clone());
-    JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        runtime_config(RestartStrategy::None),
-    )
-    .run()
-    .await?;
+    run_in_memory(job, runtime_config(RestartStrategy::None)).await?;
     let mut ids = sink.committed();
     ids.sort_unstable();
     Ok(ids)
@@ -1091,15 +1082,13 @@ async fn failing_run(config: KafkaSourceConfig) -> (String, u32) {
     job.source("kafka", 1, KafkaSource::new(config, Format::<Rec>::json()))
         .map("id", |r: KafkaRecord<Rec>| r.value.id)
         .sink("out", 1, sink);
-    let err = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
+    let err = run_in_memory(
+        job,
         runtime_config(RestartStrategy::FixedDelay {
             delay: Duration::from_millis(10),
             max_attempts: 2,
         }),
     )
-    .run()
     .await
     .expect_err("the job must fail");
     let Error::JobFailed { attempts, .. } = &err else {

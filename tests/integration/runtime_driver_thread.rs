@@ -19,7 +19,7 @@ use tinyflow_api::{
 use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_checkpoint::{CheckpointStore, CompletedCheckpoint};
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig};
-use tinyflow_tests::ms;
+use tinyflow_tests::{ms, run_in_memory};
 
 const INJECTED: &str = "injected failure";
 const EXPLODED: &str = "injected: the store exploded";
@@ -275,14 +275,7 @@ async fn run_sink_job(writers: bool) -> (Vec<u64>, Vec<String>) {
 async fn run_collecting(job: JobBuilder) {
     let mut config = RuntimeConfig::default();
     config.checkpoint.interval = Some(ms(5));
-    JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        config,
-    )
-    .run()
-    .await
-    .unwrap();
+    run_in_memory(job, config).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

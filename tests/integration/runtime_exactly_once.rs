@@ -19,7 +19,7 @@ use tinyflow_api::{JobBuilder, JobId};
 use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_runtime::{Error, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
-use tinyflow_tests::ms;
+use tinyflow_tests::{ms, run_in_memory};
 use tokio::time::Instant;
 
 const INJECTED: &str = "injected failure";
@@ -162,15 +162,13 @@ async fn run_stateless(s: &Scenario) -> Result<(Vec<u64>, Vec<u64>, u32), Error>
     .filter("not-div-7", |n: &u64| !n.is_multiple_of(7))
     .rebalance()
     .sink("out", s.sinks, sink.clone());
-    let report = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
+    let report = run_in_memory(
+        job,
         RuntimeConfig {
             chaining: s.chaining,
             ..config(s.interval_ms)
         },
     )
-    .run()
     .await?;
     let mut expected: Vec<u64> = input
         .into_iter()
@@ -377,14 +375,7 @@ async fn job_fails_with_the_root_cause_when_restarts_run_out() {
         max_attempts: 2,
     };
     let started = Instant::now();
-    let err = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        cfg,
-    )
-    .run()
-    .await
-    .unwrap_err();
+    let err = run_in_memory(job, cfg).await.unwrap_err();
     let Error::JobFailed { attempts, cause } = &err else {
         panic!("{err:?}")
     };
@@ -536,14 +527,7 @@ async fn failure_right_after_alignment_loses_and_duplicates_nothing() {
         )
         .parallelism(2)
         .sink("out", 1, sink.clone());
-        let report = JobRunner::new(
-            job.build().unwrap(),
-            Arc::new(MemoryCheckpointStore::new()),
-            config(10),
-        )
-        .run()
-        .await
-        .unwrap();
+        let report = run_in_memory(job, config(10)).await.unwrap();
         assert!(fired.load(Ordering::SeqCst), "snapshot {at} never happened");
         assert_eq!(report.attempts, 2);
         let mut got = sink.committed();
@@ -615,14 +599,7 @@ async fn with_checkpointing_off_a_job_drains_everything_before_it_ends() {
         config.checkpoint.interval = None;
         config.channel_capacity = 1;
         config.chaining = chaining;
-        let report = JobRunner::new(
-            job.build().unwrap(),
-            Arc::new(MemoryCheckpointStore::new()),
-            config,
-        )
-        .run()
-        .await
-        .unwrap();
+        let report = run_in_memory(job, config).await.unwrap();
         assert_eq!(report.final_checkpoint, None);
         assert_eq!(sink.0.load(Ordering::SeqCst), 3_000, "chaining {chaining}");
     }
@@ -636,14 +613,7 @@ async fn with_checkpointing_off_a_transactional_sink_is_refused() {
     let mut config = config(10);
     config.checkpoint.interval = None;
     config.restart = RestartStrategy::None;
-    let err = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        config,
-    )
-    .run()
-    .await
-    .unwrap_err();
+    let err = run_in_memory(job, config).await.unwrap_err();
     let text = tinyflow_api::error_chain(&err);
     assert!(
         text.contains("checkpoint.interval") && text.contains("transactional sink"),
@@ -692,14 +662,7 @@ async fn checkpoints_wait_until_every_task_is_set_up() {
     };
     config.checkpoint.interval = Some(ms(20));
     config.restart = RestartStrategy::None;
-    let report = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        config,
-    )
-    .run()
-    .await
-    .unwrap();
+    let report = run_in_memory(job, config).await.unwrap();
     assert!(report.final_checkpoint.is_some());
     assert_eq!(sorted_u64(sink.committed()), (0..2_000).collect::<Vec<_>>());
 }
@@ -811,15 +774,13 @@ async fn writer_stages_flush_ahead_of_the_barrier_and_commit_exactly_once() {
         .write("buffer", writers, Buffering)
         .rebalance()
         .sink("committer", 1, sink.clone());
-        let report = JobRunner::new(
-            job.build().unwrap(),
-            Arc::new(MemoryCheckpointStore::new()),
+        let report = run_in_memory(
+            job,
             RuntimeConfig {
                 chaining,
                 ..config(20)
             },
         )
-        .run()
         .await
         .unwrap();
         let got = sorted_u64(sink.committed().into_iter().flatten().collect());

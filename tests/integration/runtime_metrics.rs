@@ -10,9 +10,8 @@ use tinyflow_api::testing::{CollectingSink, VecSource};
 
 use tinyflow_api::{JobBuilder, JobId};
 use tinyflow_checkpoint::CheckpointConfig;
-use tinyflow_checkpoint::testing::MemoryCheckpointStore;
-use tinyflow_runtime::{JobRunner, RuntimeConfig};
-use tinyflow_tests::ms;
+use tinyflow_runtime::RuntimeConfig;
+use tinyflow_tests::{ms, run_in_memory};
 
 /// Counters by (name, operator) and histogram sample counts by name.
 type Observed = (HashMap<(String, String), u64>, HashMap<String, usize>);
@@ -38,14 +37,7 @@ fn run_observed(build: impl FnOnce(&JobBuilder)) -> Observed {
                 },
                 ..RuntimeConfig::default()
             };
-            JobRunner::new(
-                job.build().unwrap(),
-                Arc::new(MemoryCheckpointStore::new()),
-                config,
-            )
-            .run()
-            .await
-            .unwrap();
+            run_in_memory(job, config).await.unwrap();
         });
     });
     let mut counters: HashMap<(String, String), u64> = HashMap::new();

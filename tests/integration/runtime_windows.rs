@@ -17,9 +17,8 @@ use tinyflow_api::{
     SourceFactory, SourceWatermark, StreamResult, TumblingWindows,
 };
 use tinyflow_checkpoint::CheckpointConfig;
-use tinyflow_checkpoint::testing::MemoryCheckpointStore;
-use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
-use tinyflow_tests::{SplitMix64, ms};
+use tinyflow_runtime::{RestartStrategy, RuntimeConfig};
+use tinyflow_tests::{SplitMix64, ms, run_in_memory};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Event {
@@ -114,14 +113,7 @@ async fn run(
         .split("results", "late");
     main.sink("results-out", 1, results.clone());
     side.sink("late-out", 1, late.clone());
-    let report = JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        config(),
-    )
-    .run()
-    .await
-    .unwrap();
+    let report = run_in_memory(job, config()).await.unwrap();
     Run {
         results,
         late,
@@ -328,14 +320,7 @@ async fn watermarks_with_a_quiet_subtask(quiet: SourceWatermark) -> Vec<i64> {
     .map("same", |x: i64| x)
     .rebalance()
     .sink("watermarks", 1, WatermarkSink(Arc::clone(&seen)));
-    JobRunner::new(
-        job.build().unwrap(),
-        Arc::new(MemoryCheckpointStore::new()),
-        config(),
-    )
-    .run()
-    .await
-    .unwrap();
+    run_in_memory(job, config()).await.unwrap();
     let seen = seen.lock().unwrap().clone();
     seen.into_iter().filter(|w| *w != i64::MAX).collect()
 }

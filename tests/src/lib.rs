@@ -213,6 +213,18 @@ impl Harness {
         }
     }
 
+    /// Expects `NotifyComplete { id }` as the next message of each of
+    /// `tasks`, within a millisecond.
+    pub async fn expect_notified(&mut self, tasks: &[u32], id: CheckpointId) {
+        for &task in tasks {
+            assert_eq!(
+                self.expect(task, ms(1)).await,
+                ToTask::NotifyComplete { id },
+                "task {task}"
+            );
+        }
+    }
+
     /// Acks `id` as `task` with `state`.
     pub async fn ack(&self, task: u32, id: CheckpointId, state: &[u8]) {
         self.send(FromTask::Ack {
@@ -272,6 +284,18 @@ impl Harness {
     }
 }
 
+/// Runs `job` with a fresh in-memory checkpoint store: what most runtime
+/// and connector scenarios need.
+pub async fn run_in_memory(
+    job: tinyflow_api::JobBuilder,
+    config: tinyflow_runtime::RuntimeConfig,
+) -> Result<tinyflow_runtime::JobReport, tinyflow_runtime::Error> {
+    let graph = job.build().expect("the scenario's job graph is valid");
+    tinyflow_runtime::JobRunner::new(graph, Arc::new(MemoryCheckpointStore::new()), config)
+        .run()
+        .await
+}
+
 /// SplitMix64: a tiny, seedable generator, so scenarios are reproducible
 /// without pulling a random-number crate into the tests.
 #[derive(Debug, Clone)]
@@ -295,6 +319,16 @@ impl SplitMix64 {
     /// A number in `0..n` (`n` > 0).
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n
+    }
+
+    /// The next `len` bytes of the stream.
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len + 8);
+        while out.len() < len {
+            out.extend_from_slice(&self.next_u64().to_le_bytes());
+        }
+        out.truncate(len);
+        out
     }
 }
 
