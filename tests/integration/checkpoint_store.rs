@@ -14,7 +14,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use tinyflow_api::{CheckpointId, CorruptReason, JobId, StreamError, TaskId};
+use tinyflow_api::{CheckpointId, JobId, StreamError, TaskId};
+use tinyflow_checkpoint::CorruptReason;
 use tinyflow_checkpoint::store::{decode, encode};
 use tinyflow_checkpoint::{CheckpointConfig, CoordinatorDriver, DriverConfig, LocalDirStore};
 use tinyflow_checkpoint::{CheckpointStore, CompletedCheckpoint, StateHandle, SystemWallClock};

@@ -40,14 +40,6 @@ pub enum StreamError {
         #[source]
         source: std::io::Error,
     },
-    /// A stored file exists but does not read back as what was written.
-    #[error("corrupt checkpoint file {path}: {reason}")]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: CorruptReason,
-    },
     /// A checkpoint store could not be reached or refused the operation.
     #[error("checkpoint store unavailable while {action} checkpoint {checkpoint}: {message}")]
     StoreUnavailable {
@@ -180,53 +172,7 @@ impl StreamError {
             | StreamError::BadRecord { .. } => false,
             StreamError::External { retryable, .. } => *retryable,
             StreamError::Fenced { .. } | StreamError::StateMismatch { .. } => false,
-            StreamError::Corrupt { .. }
-            | StreamError::Config { .. }
-            | StreamError::TaskFailed { .. } => false,
+            StreamError::Config { .. } | StreamError::TaskFailed { .. } => false,
         }
     }
-}
-
-/// What is wrong with a corrupt checkpoint file.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CorruptReason {
-    /// It does not start with the expected magic bytes.
-    #[error("not a tinyflow checkpoint file (bad magic)")]
-    BadMagic,
-    /// It is a checkpoint file of a format version this build cannot read.
-    #[error("unsupported format version {found}")]
-    UnsupportedVersion {
-        /// The version in the file.
-        found: u32,
-    },
-    /// It ends before the length its header announces (a torn write).
-    #[error("truncated: {expected} bytes expected, {found} present")]
-    Truncated {
-        /// Bytes the header announces.
-        expected: u64,
-        /// Bytes present.
-        found: u64,
-    },
-    /// The payload does not match its checksum.
-    #[error("checksum mismatch: header says {expected:#010x}, payload hashes to {actual:#010x}")]
-    ChecksumMismatch {
-        /// Checksum recorded in the header.
-        expected: u32,
-        /// Checksum of the payload read.
-        actual: u32,
-    },
-    /// The payload is internally inconsistent.
-    #[error("malformed payload: {detail}")]
-    Malformed {
-        /// What did not decode.
-        detail: &'static str,
-    },
-    /// The file name and the content disagree on the checkpoint id.
-    #[error("file name says checkpoint {in_name}, content says {in_content}")]
-    IdMismatch {
-        /// From the file name.
-        in_name: u64,
-        /// From the content.
-        in_content: u64,
-    },
 }

@@ -114,3 +114,47 @@ impl fmt::Display for LossCause {
         }
     }
 }
+
+/// What is wrong with a corrupt checkpoint file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CorruptReason {
+    /// It does not start with the expected magic bytes.
+    #[error("not a tinyflow checkpoint file (bad magic)")]
+    BadMagic,
+    /// It is a checkpoint file of a format version this build cannot read.
+    #[error("unsupported format version {found}")]
+    UnsupportedVersion {
+        /// The version in the file.
+        found: u32,
+    },
+    /// It ends before the length its header announces (a torn write).
+    #[error("truncated: {expected} bytes expected, {found} present")]
+    Truncated {
+        /// Bytes the header announces.
+        expected: u64,
+        /// Bytes present.
+        found: u64,
+    },
+    /// The payload does not match its checksum.
+    #[error("checksum mismatch: header says {expected:#010x}, payload hashes to {actual:#010x}")]
+    ChecksumMismatch {
+        /// Checksum recorded in the header.
+        expected: u32,
+        /// Checksum of the payload read.
+        actual: u32,
+    },
+    /// The payload is internally inconsistent.
+    #[error("malformed payload: {detail}")]
+    Malformed {
+        /// What did not decode.
+        detail: &'static str,
+    },
+    /// The file name and the content disagree on the checkpoint id.
+    #[error("file name says checkpoint {in_name}, content says {in_content}")]
+    IdMismatch {
+        /// From the file name.
+        in_name: u64,
+        /// From the content.
+        in_content: u64,
+    },
+}

@@ -76,5 +76,5 @@ pub use coordinator::{Action, Coordinator, Event, Now, Phase};
 pub use driver::{
     CoordinatorDriver, CoordinatorGone, CoordinatorHandle, DriverConfig, Outcome, Restored,
 };
-pub use error::{Error, LossCause, Result};
+pub use error::{CorruptReason, Error, LossCause, Result};
 pub use store::{LOCK_FILE, LocalDirStore};

@@ -33,7 +33,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tinyflow_api::{CheckpointId, CorruptReason, JobId, StreamError, StreamResult, TaskId};
+use tinyflow_api::{CheckpointId, JobId, StreamError, StreamResult, TaskId};
+
+use crate::CorruptReason;
 
 use crate::{CheckpointStore, CompletedCheckpoint, StateHandle};
 
