@@ -21,11 +21,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use metrics_exporter_prometheus::PrometheusHandle;
-use rdkafka::ClientConfig;
-use rdkafka::error::KafkaError;
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
-use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::{ClientContext, Message};
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
 use tinyflow_cli::{
     CatalogSection, CheckpointSection, CommitSection, ComputeSection, FieldSection, JobFile,
@@ -33,7 +28,7 @@ use tinyflow_cli::{
     TransformSection, format_duration, install_metrics, metric_sum, parse_duration,
 };
 use tinyflow_connectors_iceberg::{TableReader, scan_longs, total_records};
-use tinyflow_connectors_kafka::EmbeddedKafka;
+use tinyflow_connectors_kafka::{EmbeddedKafka, RecordProducer};
 use tinyflow_runtime::StopHandle;
 
 /// `tinyflow demo` options.
@@ -154,24 +149,6 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
     }
 }
 
-/// Counts deliveries that failed.
-struct Deliveries {
-    failed: Arc<AtomicU64>,
-}
-
-impl ClientContext for Deliveries {}
-
-impl ProducerContext for Deliveries {
-    type DeliveryOpaque = ();
-
-    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
-        if let Err((e, m)) = result {
-            self.failed.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(error = %e, partition = m.partition(), "a bid was not delivered");
-        }
-    }
-}
-
 /// Produces numbered bids at `rate` per second until `stop`; returns how
 /// many were delivered (all of them, or an error).
 fn produce(
@@ -180,14 +157,7 @@ fn produce(
     stop: &AtomicBool,
     produced: &AtomicU64,
 ) -> anyhow::Result<u64> {
-    let failed = Arc::new(AtomicU64::new(0));
-    let producer: ThreadedProducer<Deliveries> = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("linger.ms", "5")
-        .set("enable.idempotence", "true")
-        .create_with_context(Deliveries {
-            failed: Arc::clone(&failed),
-        })
+    let mut producer = RecordProducer::new(bootstrap, Duration::from_millis(5))
         .context("creating the demo's producer")?;
     let start = Instant::now();
     let mut sent = 0u64;
@@ -204,25 +174,16 @@ fn produce(
             buf.clear();
             serde_json::to_writer(&mut buf, &bid).context("encoding a bid")?;
             let key = bid.auction.to_string();
-            let mut record = BaseRecord::to(TOPIC).key(&key).payload(&buf);
-            loop {
-                match producer.send(record) {
-                    Ok(()) => break,
-                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                        record = r;
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err((e, _)) => bail!("producing bid {}: {e}", bid.id),
-                }
-            }
+            producer
+                .send(TOPIC, key.as_bytes(), &buf)
+                .with_context(|| format!("producing bid {}", bid.id))?;
             sent += 1;
             produced.store(sent, Ordering::Relaxed);
         }
     }
-    producer
+    let failed = producer
         .flush(Duration::from_secs(30))
         .context("flushing the demo's producer")?;
-    let failed = failed.load(Ordering::Relaxed);
     if failed > 0 {
         bail!("{failed} of {sent} bids were not delivered to the embedded cluster");
     }

@@ -34,6 +34,8 @@ mod conform;
 mod dead_letter;
 #[cfg(feature = "embedded")]
 mod embedded;
+#[cfg(feature = "embedded")]
+mod producer;
 #[cfg(feature = "protobuf")]
 mod protobuf;
 #[cfg(feature = "avro")]
@@ -58,6 +60,8 @@ pub use config::{
 pub use conform::{grow as grow_columns, table_field};
 #[cfg(feature = "embedded")]
 pub use embedded::EmbeddedKafka;
+#[cfg(feature = "embedded")]
+pub use producer::RecordProducer;
 #[cfg(feature = "protobuf")]
 pub use protobuf::arrow_schema_of as protobuf_arrow_schema;
 pub use source::{KafkaRecord, KafkaSource, decode_positions, offsets_of_positions};
