@@ -94,7 +94,10 @@ impl RecordProducer {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 Err((e, _)) => {
-                    return Err(failed(format!("producing record {} to {topic}", self.sent), e));
+                    return Err(failed(
+                        format!("producing record {} to {topic}", self.sent),
+                        e,
+                    ));
                 }
             }
         }

@@ -28,8 +28,8 @@ use tokio::task::JoinSet;
 
 use crate::state::RestorePlan;
 use crate::task::{
-    Chain, ChainOp, ChainSink, ChainSource, ChainWriter, Message, Output, TaskError, TaskIo,
-    TaskMetrics, labels as task_labels, run_consumer, run_source,
+    Chain, ChainOp, ChainSink, ChainSource, ChainWriter, Message, Output, Scratch, TaskError,
+    TaskIo, TaskMetrics, labels as task_labels, run_consumer, run_source,
 };
 use crate::{Error, RestartStrategy, Result};
 
@@ -447,6 +447,7 @@ impl JobRunner {
             ops: Vec::new(),
             sink: None,
             writer: None,
+            scratch: Scratch::default(),
         };
         for &ni in chain {
             let node = &g.nodes[ni];

@@ -235,25 +235,37 @@ pub(crate) struct Chain {
     pub(crate) ops: Vec<ChainOp>,
     pub(crate) sink: Option<ChainSink>,
     pub(crate) writer: Option<ChainWriter>,
+    /// Buffers reused for every batch, so that passing a batch through the
+    /// operators allocates nothing of the chain's own.
+    pub(crate) scratch: Scratch,
+}
+
+/// The chain's reusable buffers: what enters an operator, what leaves it.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    items: Vec<Emitted>,
+    next: Vec<Emitted>,
+    collector: Collector,
 }
 
 impl Chain {
-    /// Runs `items` through the operators from `from` on; returns what
-    /// comes out of the last one.
-    fn run_ops(&mut self, from: usize, mut items: Vec<Emitted>) -> Result<Vec<Emitted>, TaskError> {
-        let mut collector = Collector::default();
+    /// Runs `items` through the operators from `from` on; leaves what comes
+    /// out of the last one in `items`.
+    fn run_ops(&mut self, from: usize, items: &mut Vec<Emitted>) -> Result<(), TaskError> {
+        let mut next = std::mem::take(&mut self.scratch.next);
+        let collector = &mut self.scratch.collector;
         for op in &mut self.ops[from..] {
             if items.is_empty() {
                 break;
             }
-            let mut next = Vec::with_capacity(items.len());
-            for item in items {
+            next.clear();
+            for item in items.drain(..) {
                 match item {
                     Emitted::Batch(b) => {
                         op.records_in.increment(b.rows() as u64);
-                        op.op.process(b, &mut collector)?;
+                        op.op.process(b, collector)?;
                     }
-                    Emitted::Watermark(w) => op.op.on_watermark(w, &mut collector)?,
+                    Emitted::Watermark(w) => op.op.on_watermark(w, collector)?,
                 }
                 for e in collector.drain() {
                     if let Emitted::Batch(b) = &e {
@@ -262,34 +274,54 @@ impl Chain {
                     next.push(e);
                 }
             }
-            items = next;
+            std::mem::swap(items, &mut next);
         }
-        Ok(items)
+        self.scratch.next = next;
+        Ok(())
     }
 
     /// Hands what left the operators to the sink, or downstream.
-    async fn deliver(&mut self, io: &mut TaskIo, items: Vec<Emitted>) -> Result<(), TaskError> {
-        for item in items {
-            match (item, &mut self.sink, &mut self.writer) {
-                (Emitted::Batch(b), Some(s), _) => {
-                    s.records_in.increment(b.rows() as u64);
-                    s.sink.write(b).await?;
-                }
-                (Emitted::Watermark(w), Some(s), _) => s.sink.on_watermark(w),
-                (Emitted::Batch(b), None, Some(w)) => {
-                    w.records_in.increment(b.rows() as u64);
-                    w.writer.write(b).await?;
-                }
-                (Emitted::Batch(b), None, None) => io.emit(b).await?,
-                (Emitted::Watermark(w), None, _) => io.broadcast(|| Message::Watermark(w)).await?,
+    async fn deliver(&mut self, io: &mut TaskIo, item: Emitted) -> Result<(), TaskError> {
+        match (item, &mut self.sink, &mut self.writer) {
+            (Emitted::Batch(b), Some(s), _) => {
+                s.records_in.increment(b.rows() as u64);
+                s.sink.write(b).await?;
             }
+            (Emitted::Watermark(w), Some(s), _) => s.sink.on_watermark(w),
+            (Emitted::Batch(b), None, Some(w)) => {
+                w.records_in.increment(b.rows() as u64);
+                w.writer.write(b).await?;
+            }
+            (Emitted::Batch(b), None, None) => io.emit(b).await?,
+            (Emitted::Watermark(w), None, _) => io.broadcast(|| Message::Watermark(w)).await?,
+        }
+        Ok(())
+    }
+
+    /// Runs `items` through the operators from `from` on and delivers what
+    /// comes out, reusing the chain's buffers.
+    async fn run_and_deliver(
+        &mut self,
+        io: &mut TaskIo,
+        from: usize,
+        items: &mut Vec<Emitted>,
+    ) -> Result<(), TaskError> {
+        self.run_ops(from, items)?;
+        for item in items.drain(..) {
+            self.deliver(io, item).await?;
         }
         Ok(())
     }
 
     async fn push(&mut self, io: &mut TaskIo, item: Emitted) -> Result<(), TaskError> {
-        let out = self.run_ops(0, vec![item])?;
-        self.deliver(io, out).await
+        if self.ops.is_empty() {
+            return self.deliver(io, item).await;
+        }
+        let mut items = std::mem::take(&mut self.scratch.items);
+        items.push(item);
+        self.run_and_deliver(io, 0, &mut items).await?;
+        self.scratch.items = items;
+        Ok(())
     }
 
     /// Every input ended: finish each operator in order, passing what it
@@ -298,14 +330,13 @@ impl Chain {
         for i in 0..self.ops.len() {
             let mut collector = Collector::default();
             self.ops[i].op.finish(&mut collector)?;
-            let items: Vec<Emitted> = collector.drain().collect();
+            let mut items: Vec<Emitted> = collector.drain().collect();
             for e in &items {
                 if let Emitted::Batch(b) = e {
                     self.ops[i].records_out.increment(b.rows() as u64);
                 }
             }
-            let out = self.run_ops(i + 1, items)?;
-            self.deliver(io, out).await?;
+            self.run_and_deliver(io, i + 1, &mut items).await?;
         }
         if self.sink.is_none() {
             io.broadcast(|| Message::EndOfData).await?;
