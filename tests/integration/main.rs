@@ -67,3 +67,4 @@ mod runtime_windows;
 // subscriber, filtered to INFO and above of the checkpoint crate: a second
 // global one would fail to install, and a scoped one can miss events (tracing
 // caches per call site whether anyone listens).
+mod tidy;
