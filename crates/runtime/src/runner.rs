@@ -616,11 +616,11 @@ fn join_message(j: tokio::task::JoinError) -> String {
 ///
 /// The job's workers are busy with tasks that may poll for milliseconds at
 /// a time (decoding, encoding Parquet). A driver queued behind them would
-/// trigger late and complete checkpoints late (it was 130 ms late per
-/// checkpoint in the pipeline bench), and a committer queued behind them
-/// starts its commit late (10-140 ms after the checkpoint completed). Both
-/// do little work, at the moments the latency from append to visible
-/// depends on.
+/// trigger late and complete checkpoints late, and a committer queued
+/// behind them would start its commit late (the pipeline bench's latency
+/// figures in `docs/performance.md`, "Defaults chosen by measurement", show
+/// by how much). Both do little work,
+/// at the moments the latency from append to visible depends on.
 struct OwnThread {
     handle: tokio::runtime::Handle,
     /// Dropping it ends the thread, and with its runtime whatever still
