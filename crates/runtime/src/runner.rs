@@ -619,8 +619,8 @@ fn join_message(j: tokio::task::JoinError) -> String {
 /// trigger late and complete checkpoints late, and a committer queued
 /// behind them would start its commit late (the pipeline bench's latency
 /// figures in `docs/performance.md`, "Defaults chosen by measurement", show
-/// by how much). Both do little work,
-/// at the moments the latency from append to visible depends on.
+/// by how much). Both do little work, at the moments the latency from
+/// append to visible depends on.
 struct OwnThread {
     handle: tokio::runtime::Handle,
     /// Dropping it ends the thread, and with its runtime whatever still
