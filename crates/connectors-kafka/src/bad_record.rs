@@ -12,9 +12,10 @@ use rdkafka::message::Message;
 use tinyflow_api::{StreamError, StreamResult};
 use tokio::time::Instant;
 
+use crate::client::Partition;
 use crate::config::BadRecordPolicy;
 use crate::dead_letter::DeadLetter;
-use crate::source::{Partition, Polled};
+use crate::decode::Polled;
 use crate::state::DeadLetterState;
 
 /// Why a record is bad: the `reason` label of `tinyflow_bad_records_total`.
