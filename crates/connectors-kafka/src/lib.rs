@@ -36,6 +36,7 @@ mod dead_letter;
 mod decode;
 #[cfg(feature = "embedded")]
 mod embedded;
+mod policy;
 mod progress;
 #[cfg(feature = "protobuf")]
 mod protobuf;

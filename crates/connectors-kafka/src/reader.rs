@@ -9,7 +9,8 @@
 //!
 //! Boundary: the clients, their requests and what their errors mean are
 //! `client.rs`'s; decoding is a [`Decode`]'s (`decode.rs`); bad records go
-//! to the subtask's bad-record policy; stalls are watched by `progress.rs`.
+//! to the subtask's bad-record policy (`policy.rs`); stalls are watched by
+//! `progress.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -25,7 +26,6 @@ use tinyflow_api::{
 };
 use tokio::time::Instant;
 
-use crate::bad_record::BadRecords;
 use crate::client::{
     DropAside, ErrorClass, KafkaConsumer, Partition, bounded_ends, classify, external,
     last_client_error,
@@ -33,6 +33,7 @@ use crate::client::{
 use crate::config::{BadRecordPolicy, EventTime, Format, KafkaSourceConfig, StartPosition};
 use crate::dead_letter::DeadLetter;
 use crate::decode::{Decode, KafkaRecord, Outcome, Polled, RecordDecoder};
+use crate::policy::BadRecords;
 use crate::progress::Progress;
 
 /// A Kafka source of `KafkaRecord<V>`; see the crate docs.
