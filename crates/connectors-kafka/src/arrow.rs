@@ -14,8 +14,9 @@ use tinyflow_api::{OperatorContext, Source, SourceFactory, StreamError, StreamRe
 
 use crate::bad_record::{BadReason, BadRecord};
 use crate::config::{EventTime, KafkaSourceConfig, TimeFrom};
+use crate::decode::{Decode, Outcome, Polled};
+use crate::reader::open;
 use crate::scan::{Allow, Columns, Kind, Limits, Shape, scan};
-use crate::source::{Decode, Outcome, Polled, open};
 
 /// The columns [`JsonArrow::with_metadata_columns`] appends.
 pub const METADATA_COLUMNS: [&str; 4] = [
@@ -881,7 +882,7 @@ struct ArrowDecoder {
 /// The value of `msg`'s last header named `name`, if it has one with a
 /// value.
 fn header<'m>(msg: &'m rdkafka::message::BorrowedMessage<'_>, name: &str) -> Option<&'m [u8]> {
-    crate::source::headers_of(msg)?
+    crate::decode::headers_of(msg)?
         .into_iter()
         .rfind(|(k, _)| *k == name)
         .and_then(|(_, v)| v)
@@ -893,9 +894,9 @@ impl ArrowDecoder {
     fn check_key_and_headers(&self, p: &Polled<'_>) -> Option<BadRecord> {
         let format = &self.payloads.format;
         if (!format.headers.is_empty() || format.all_headers.is_some())
-            && crate::source::headers_of(&p.msg).is_none()
+            && crate::decode::headers_of(&p.msg).is_none()
         {
-            return Some(crate::source::header_name_not_utf8());
+            return Some(crate::decode::header_name_not_utf8());
         }
         if let Some((_, ty)) = &format.key
             && let Some(bad) = ty.check(|| "the key".to_owned(), p.msg.key())
@@ -911,7 +912,7 @@ impl ArrowDecoder {
             return Some(bad);
         }
         let (_, ty) = format.all_headers.as_ref()?;
-        crate::source::headers_of(&p.msg)?
+        crate::decode::headers_of(&p.msg)?
             .into_iter()
             .find_map(|(k, v)| ty.check(|| format!("header `{k}`"), v))
     }
@@ -1131,7 +1132,7 @@ fn headers_map(records: &[&Polled<'_>], ty: BytesAs) -> Option<ArrayRef> {
     let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     for p in records {
         seen.clear();
-        for (k, v) in crate::source::headers_of(&p.msg)? {
+        for (k, v) in crate::decode::headers_of(&p.msg)? {
             // The last value of a name sent twice.
             match seen.get(k) {
                 Some(&i) => values[i] = v,

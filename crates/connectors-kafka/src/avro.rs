@@ -8,8 +8,8 @@
 //! registry outage stops nothing that has seen its schemas. A record whose
 //! schema is still being fetched is not decoded: the source reads its
 //! partition again from that record once the schema is there (see
-//! `Reader::defer`), so nothing is lost or skipped while the registry is
-//! down. An id the registry does not have is a bad record.
+//! `defer_waiting` in `reader.rs`), so nothing is lost or skipped while the
+//! registry is down. An id the registry does not have is a bad record.
 //!
 //! Schema evolution ([`SchemaEvolution`]): a writer schema whose fields
 //! the columns lack (or whose types are wider) is, under `AddColumns`,

@@ -42,8 +42,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use tinyflow_api::{OperatorContext, StreamError, StreamResult};
 
+use crate::client::{DropAside, Partition, external};
 use crate::config::KafkaSourceConfig;
-use crate::source::{DropAside, Partition, external};
 use crate::state::{self, DeadLetterState};
 
 /// Counts deliveries that failed, keeping the last reason.
@@ -451,7 +451,7 @@ impl DeadLetter {
         // The record's own headers (none when a header name is not UTF-8,
         // which rdkafka cannot hand over; see `headers_of`).
         if fit.keep_key_and_headers {
-            for (key, value) in crate::source::headers_of(msg).unwrap_or_default() {
+            for (key, value) in crate::decode::headers_of(msg).unwrap_or_default() {
                 headers = headers.insert(Header { key, value });
             }
         }
@@ -832,7 +832,7 @@ struct Fit {
 /// How much of `msg` a dead letter of at most `max_bytes` with headers
 /// `ours` can carry.
 fn fit(max_bytes: usize, msg: &BorrowedMessage<'_>, ours: &[(&str, Option<&str>)]) -> Fit {
-    let theirs: Vec<(usize, usize)> = crate::source::headers_of(msg)
+    let theirs: Vec<(usize, usize)> = crate::decode::headers_of(msg)
         .unwrap_or_default()
         .into_iter()
         .map(|(k, v)| (k.len(), v.map_or(0, <[u8]>::len)))

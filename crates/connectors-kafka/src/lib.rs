@@ -28,20 +28,24 @@ mod arrow;
 #[cfg(feature = "avro")]
 mod avro;
 mod bad_record;
+mod client;
 mod config;
 #[cfg(feature = "avro")]
 mod conform;
 mod dead_letter;
+mod decode;
 #[cfg(feature = "embedded")]
 mod embedded;
+mod policy;
 #[cfg(feature = "embedded")]
 mod producer;
+mod progress;
 #[cfg(feature = "protobuf")]
 mod protobuf;
+mod reader;
 #[cfg(feature = "avro")]
 pub mod registry;
 mod scan;
-mod source;
 mod state;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -58,10 +62,11 @@ pub use config::{
 };
 #[cfg(feature = "avro")]
 pub use conform::{grow as grow_columns, table_field};
+pub use decode::KafkaRecord;
 #[cfg(feature = "embedded")]
 pub use embedded::EmbeddedKafka;
 #[cfg(feature = "embedded")]
 pub use producer::RecordProducer;
 #[cfg(feature = "protobuf")]
 pub use protobuf::arrow_schema_of as protobuf_arrow_schema;
-pub use source::{KafkaRecord, KafkaSource, decode_positions, offsets_of_positions};
+pub use reader::{KafkaSource, decode_positions, offsets_of_positions};
