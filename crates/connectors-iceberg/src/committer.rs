@@ -12,12 +12,13 @@ use tinyflow_api::{
     StreamResult, merge_positions,
 };
 
-use crate::catalog::{
-    Expect, GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_SINK_ID,
-    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, SinkTable, committed_id, committed_positions,
-    external, observe, owned,
+use crate::catalog::{GuardedCatalog, external};
+use crate::dedupe::{
+    Expect, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_SINK_ID,
+    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, observe, owned,
 };
 use crate::identity::{self, Identity, Mismatch, WAYS_OUT};
+use crate::table::SinkTable;
 use crate::writer::DataFileMeta;
 
 /// Files of one completed-or-pending checkpoint.

@@ -714,19 +714,19 @@ impl IcebergSinkConfig {
 
     /// The table property holding this sink's last committed checkpoint id.
     pub fn committed_property(&self) -> String {
-        crate::catalog::committed_property(&self.sink_id)
+        crate::dedupe::committed_property(&self.sink_id)
     }
 
     /// The table property with the source positions of the last checkpoint
     /// this sink committed.
     pub fn positions_property(&self) -> String {
-        crate::catalog::positions_property(&self.sink_id)
+        crate::dedupe::positions_property(&self.sink_id)
     }
 
     /// The table property holding the epoch of the run that owns this
     /// sink (see `IcebergSink::claim`).
     pub fn epoch_property(&self) -> String {
-        crate::catalog::epoch_property(&self.sink_id)
+        crate::dedupe::epoch_property(&self.sink_id)
     }
 
     /// Checks every setting; the error names the key.
