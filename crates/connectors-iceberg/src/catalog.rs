@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+#[cfg(feature = "testing")]
 use futures_util::future::BoxFuture;
 use iceberg::io::StorageFactory;
 use iceberg::table::Table;
@@ -23,8 +24,10 @@ use iceberg_catalog_sql::{SqlBindStyle, SqlCatalogBuilder};
 use iceberg_storage_opendal::OpenDalResolvingStorageFactory;
 use tinyflow_api::{StreamError, StreamResult};
 
-use crate::config::{CatalogConfig, CommitStep, Fault, FaultHook};
+use crate::config::CatalogConfig;
 use crate::dedupe::{Expect, Observed, observe, owned};
+#[cfg(feature = "testing")]
+use crate::fault::{CommitStep, Fault, FaultHook};
 use crate::local_storage::SyncedLocalStorageFactory;
 
 pub(crate) fn external(
@@ -214,8 +217,10 @@ pub(crate) struct GuardedCatalog<'a> {
     pub(crate) range: Option<(u64, u64)>,
     /// The table and epoch the attempt must be built on.
     pub(crate) expect: Option<Expect>,
+    #[cfg(feature = "testing")]
     pub(crate) hook: Option<&'a FaultHook>,
     pub(crate) observed: Mutex<Option<Observed>>,
+    #[cfg(feature = "testing")]
     pub(crate) attempts: std::sync::atomic::AtomicU32,
 }
 
@@ -230,21 +235,25 @@ impl std::fmt::Debug for GuardedCatalog<'_> {
 }
 
 impl<'a> GuardedCatalog<'a> {
-    pub(crate) fn new(
-        inner: &'a dyn Catalog,
-        sink_id: &'a str,
-        range: Option<(u64, u64)>,
-        hook: Option<&'a FaultHook>,
-    ) -> Self {
+    pub(crate) fn new(inner: &'a dyn Catalog, sink_id: &'a str, range: Option<(u64, u64)>) -> Self {
         GuardedCatalog {
             inner,
             sink_id,
             range,
             expect: None,
-            hook,
+            #[cfg(feature = "testing")]
+            hook: None,
             observed: Mutex::new(None),
+            #[cfg(feature = "testing")]
             attempts: std::sync::atomic::AtomicU32::new(0),
         }
+    }
+
+    /// Calls `hook` at each step of every attempt (tests).
+    #[cfg(feature = "testing")]
+    pub(crate) fn with_hook(mut self, hook: Option<&'a FaultHook>) -> Self {
+        self.hook = hook;
+        self
     }
 
     /// Requires every attempt's table to be `expect`'s.
@@ -268,6 +277,7 @@ impl<'a> GuardedCatalog<'a> {
         iceberg::Error::new(ErrorKind::PreconditionFailed, message).with_retryable(false)
     }
 
+    #[cfg(feature = "testing")]
     async fn fault(&self, step: CommitStep) -> Fault {
         match self.hook {
             Some(hook) => hook(step).await,
@@ -275,11 +285,13 @@ impl<'a> GuardedCatalog<'a> {
         }
     }
 
+    #[cfg(feature = "testing")]
     fn attempt(&self) -> u32 {
         self.attempts.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
+#[cfg(feature = "testing")]
 fn boxed<'a, T: Send + 'a>(
     f: impl std::future::Future<Output = T> + Send + 'a,
 ) -> BoxFuture<'a, T> {
@@ -338,7 +350,9 @@ impl Catalog for GuardedCatalog<'_> {
     /// The refresh of a commit attempt: the dedupe check runs here.
     async fn load_table(&self, ident: &TableIdent) -> iceberg::Result<Table> {
         let table = self.inner.load_table(ident).await?;
+        #[cfg(feature = "testing")]
         let attempt = self.attempt();
+        #[cfg(feature = "testing")]
         if let Fault::Crash(why) = boxed(self.fault(CommitStep::Refreshed { attempt })).await {
             return Err(self.stop(Observed::Crashed, why));
         }
@@ -391,9 +405,11 @@ impl Catalog for GuardedCatalog<'_> {
     }
 
     async fn update_table(&self, commit: TableCommit) -> iceberg::Result<Table> {
+        #[cfg(feature = "testing")]
         let attempt = self
             .attempts
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        #[cfg(feature = "testing")]
         match boxed(self.fault(CommitStep::BeforeUpdate { attempt })).await {
             Fault::Crash(why) => return Err(self.stop(Observed::Crashed, why)),
             Fault::Unavailable => {
@@ -405,14 +421,18 @@ impl Catalog for GuardedCatalog<'_> {
             Fault::Proceed | Fault::LoseResponse => {}
         }
         let table = self.inner.update_table(commit).await?;
+        #[cfg(feature = "testing")]
         match boxed(self.fault(CommitStep::AfterUpdate { attempt })).await {
-            Fault::Proceed | Fault::Unavailable => Ok(table),
-            Fault::Crash(why) => Err(self.stop(Observed::Crashed, why)),
-            Fault::LoseResponse => Err(iceberg::Error::new(
-                ErrorKind::CatalogCommitConflicts,
-                "injected: the catalog's answer was lost",
-            )
-            .with_retryable(true)),
+            Fault::Proceed | Fault::Unavailable => {}
+            Fault::Crash(why) => return Err(self.stop(Observed::Crashed, why)),
+            Fault::LoseResponse => {
+                return Err(iceberg::Error::new(
+                    ErrorKind::CatalogCommitConflicts,
+                    "injected: the catalog's answer was lost",
+                )
+                .with_retryable(true));
+            }
         }
+        Ok(table)
     }
 }

@@ -146,6 +146,7 @@ pub(crate) enum Observed {
     /// pending checkpoints up to it and commit the rest.
     Partly(u64),
     /// A fault hook crashed the commit.
+    #[cfg(feature = "testing")]
     Crashed,
     /// A newer run claimed the sink: its epoch, and who claimed it.
     Fenced {

@@ -23,6 +23,11 @@
 //! orphans, deleted by [`IcebergSink::delete_orphans`] (and on recovery,
 //! past a minimum age).
 //!
+//! Feature `testing` (tests only, never the product): the commit fault hook,
+//! `FaultHook`, `CommitStep` and `Fault` at the crate root and
+//! `IcebergSinkConfig::fault_hook`, which crashes or interferes at each step
+//! of a commit.
+//!
 //! ```no_run
 //! # use tinyflow_api::{JobBuilder, JobId, Stream};
 //! # use tinyflow_connectors_iceberg::*;
@@ -51,6 +56,8 @@ mod committer;
 pub mod config;
 mod dedupe;
 mod evolve;
+#[cfg(feature = "testing")]
+mod fault;
 pub mod identity;
 mod local_storage;
 mod orphans;
@@ -66,8 +73,8 @@ use tinyflow_api::{CheckpointId, JobPositions, SinkFactory, Stream, StreamResult
 
 pub use catalog::{is_s3_location, open_catalog};
 pub use config::{
-    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
-    FaultHook, IcebergSinkConfig, PartitionField, TableSpec,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSinkConfig,
+    PartitionField, TableSpec,
 };
 pub use dedupe::{
     SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, SUMMARY_SINK_ID,
@@ -75,6 +82,8 @@ pub use dedupe::{
     epoch_property, positions_property, table_epoch,
 };
 pub use evolve::SchemaChange;
+#[cfg(feature = "testing")]
+pub use fault::{CommitStep, Fault, FaultHook};
 pub use orphans::OrphanReport;
 pub use read::{TableReader, load_table, scan_longs, total_records};
 pub use table::iceberg_schema;

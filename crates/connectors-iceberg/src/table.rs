@@ -219,7 +219,7 @@ impl SinkTable {
                 .apply(tx)
                 .map_err(|e| external(&label, "building the epoch claim", &e))?;
             let catalog = self.catalog().await?;
-            let guard = GuardedCatalog::new(catalog.as_ref(), sink, None, None).expecting(Expect {
+            let guard = GuardedCatalog::new(catalog.as_ref(), sink, None).expecting(Expect {
                 uuid: uuid.clone(),
                 epoch: current,
             });
