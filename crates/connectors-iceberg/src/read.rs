@@ -2,7 +2,7 @@
 //! polling it with a [`TableReader`], counting its rows, scanning a `long`
 //! column. The sink itself never reads through here. These stay in the
 //! product because the CLI uses each of them (`tinyflow demo` polls and
-//! scans the table, `tinyflow inspect` and `tinyflow reset` load it).
+//! scans the table, `tinyflow inspect` loads it).
 
 use std::sync::Arc;
 
