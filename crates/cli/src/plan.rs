@@ -14,9 +14,11 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tinyflow_api::{JobBuilder, JobGraph, JobId};
 use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
 use tinyflow_connectors_iceberg::{
-    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
-    FaultHook, IcebergSink, IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
+    IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
 };
+#[cfg(feature = "chaos")]
+use tinyflow_connectors_iceberg::{CommitStep, Fault, FaultHook};
 use tinyflow_connectors_kafka::{
     BadRecordPolicy, BytesAs, Coercion, EventTime, Evolution, JsonArrow, KafkaArrowSource,
     KafkaSourceConfig, SchemaEvolution, StartPosition, offsets_of_positions,
@@ -976,7 +978,10 @@ impl JobFile {
                 .transpose()?,
             max_pending_bytes: k.commit.max_pending_bytes,
         };
-        sc.fault_hook = chaos_commit_pause();
+        #[cfg(feature = "chaos")]
+        {
+            sc.fault_hook = chaos_commit_pause();
+        }
         sc.validate().map_err(|e| match e {
             tinyflow_api::StreamError::Config { key, message } => {
                 err(&format!("sink ({key})"), message)
@@ -1081,7 +1086,9 @@ impl JobFile {
 /// The chaos test's knob: with `TINYFLOW_CHAOS_COMMIT_PAUSE_MS` set, every
 /// commit pauses that long just before and just after the catalog update,
 /// saying so on stderr (`CHAOS commit paused before|after update`), so the
-/// test can kill the process inside a commit. Nothing else changes.
+/// test can kill the process inside a commit. Nothing else changes. Only
+/// in builds with the `chaos` feature (the crate's tests turn it on).
+#[cfg(feature = "chaos")]
 fn chaos_commit_pause() -> Option<FaultHook> {
     let ms: u64 = std::env::var("TINYFLOW_CHAOS_COMMIT_PAUSE_MS")
         .ok()?

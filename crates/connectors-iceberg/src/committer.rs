@@ -12,12 +12,13 @@ use tinyflow_api::{
     StreamResult, merge_positions,
 };
 
-use crate::catalog::{
-    Expect, GuardedCatalog, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_SINK_ID,
-    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, SinkTable, committed_id, committed_positions,
-    external, observe, owned,
+use crate::catalog::{GuardedCatalog, external};
+use crate::dedupe::{
+    Expect, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_SINK_ID,
+    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, observe, owned,
 };
 use crate::identity::{self, Identity, Mismatch, WAYS_OUT};
+use crate::table::SinkTable;
 use crate::writer::DataFileMeta;
 
 /// Files of one completed-or-pending checkpoint.
@@ -245,6 +246,7 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
 struct Failed {
     error: StreamError,
     /// A fault hook crashed it, or a newer run fenced it: no retry.
+    #[cfg(feature = "testing")]
     crashed: bool,
 }
 
@@ -260,6 +262,7 @@ impl From<StreamError> for Failed {
     fn from(error: StreamError) -> Self {
         Failed {
             error,
+            #[cfg(feature = "testing")]
             crashed: false,
         }
     }
@@ -427,6 +430,7 @@ impl Committer {
                     self.note_committed(c, None);
                     self.pending.retain(|id, _| *id > c);
                 }
+                #[cfg(feature = "testing")]
                 Ok(Tried::Seen(Observed::Crashed)) => unreachable!("crashes are errors"),
                 Ok(Tried::Seen(Observed::Fenced { epoch, owner })) => {
                     let owner = owner.map_or_else(String::new, |o| format!(" ({o})"));
@@ -456,7 +460,14 @@ impl Committer {
                         ),
                     });
                 }
-                Err(Failed { error: e, crashed }) => {
+                Err(Failed {
+                    error: e,
+                    #[cfg(feature = "testing")]
+                    crashed,
+                }) => {
+                    // Only the fault hook crashes a commit.
+                    #[cfg(not(feature = "testing"))]
+                    let crashed = false;
                     failures += 1;
                     if crashed || !e.is_retryable() || failures >= config.commit_attempts {
                         tracing::error!(sink = %label, checkpoint = high, failures, error = %e, "commit failed; the data stays in the checkpoint");
@@ -590,16 +601,14 @@ impl Committer {
             .apply(tx)
             .map_err(|e| external(&label, "building the commit", &e))?;
         let catalog = sink.catalog().await?;
-        let guard = GuardedCatalog::new(
-            catalog.as_ref(),
-            &config.sink_id,
-            Some((low, high)),
-            config.fault_hook.as_ref(),
-        )
-        .expecting(expect);
+        let guard = GuardedCatalog::new(catalog.as_ref(), &config.sink_id, Some((low, high)))
+            .expecting(expect);
+        #[cfg(feature = "testing")]
+        let guard = guard.with_hook(config.fault_hook.as_ref());
         match tx.commit(&guard).await {
             Ok(table) => Ok(Tried::Committed(table.metadata().current_snapshot_id())),
             Err(e) => match guard.observed() {
+                #[cfg(feature = "testing")]
                 Some(Observed::Crashed) => Err(Failed {
                     error: StreamError::External {
                         operator: label,

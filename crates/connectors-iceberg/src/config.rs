@@ -5,11 +5,12 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
 use tinyflow_api::{StreamError, StreamResult};
+
+#[cfg(feature = "testing")]
+use crate::fault::FaultHook;
 
 /// Where the table's catalog lives.
 #[derive(Clone)]
@@ -560,46 +561,6 @@ impl CommitCadence {
     }
 }
 
-/// A step of the commit path, where fault-injection tests can fail or act.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CommitStep {
-    /// The table was refreshed for commit attempt `attempt` (0-based), the
-    /// "already committed?" check is about to run against it.
-    Refreshed {
-        /// The attempt.
-        attempt: u32,
-    },
-    /// The commit of attempt `attempt` is about to reach the catalog.
-    BeforeUpdate {
-        /// The attempt.
-        attempt: u32,
-    },
-    /// The catalog accepted attempt `attempt`; nothing else knows yet.
-    AfterUpdate {
-        /// The attempt.
-        attempt: u32,
-    },
-}
-
-/// What a fault hook does at a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fault {
-    /// Go on.
-    Proceed,
-    /// Fail the commit as a crash would: nothing is retried, the sink
-    /// reports the error and the job restarts from its last checkpoint.
-    Crash(String),
-    /// Only at `AfterUpdate`: the catalog's answer is lost; the commit
-    /// retries as after a conflict.
-    LoseResponse,
-    /// Only at `BeforeUpdate`: the catalog is unreachable this time; the
-    /// sink's own retries (`commit_attempts`) apply.
-    Unavailable,
-}
-
-/// A fault-injection hook on the commit path (tests).
-pub type FaultHook = Arc<dyn Fn(CommitStep) -> BoxFuture<'static, Fault> + Send + Sync>;
-
 /// An Iceberg sink's configuration.
 #[derive(Clone)]
 pub struct IcebergSinkConfig {
@@ -650,14 +611,16 @@ pub struct IcebergSinkConfig {
     /// conflict with the table's (the table may lack some, or have wider
     /// types; the source evolves it), instead of fitting exactly.
     pub schema_evolution: bool,
-    /// Fault injection on the commit path (tests).
+    /// Fault injection on the commit path (tests; only with the crate's
+    /// `testing` feature).
+    #[cfg(feature = "testing")]
     pub fault_hook: Option<FaultHook>,
 }
 
 impl fmt::Debug for IcebergSinkConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("IcebergSinkConfig")
-            .field("catalog", &self.catalog)
+        let mut d = f.debug_struct("IcebergSinkConfig");
+        d.field("catalog", &self.catalog)
             .field("namespace", &self.namespace)
             .field("table", &self.table)
             .field("sink_id", &self.sink_id)
@@ -672,9 +635,10 @@ impl fmt::Debug for IcebergSinkConfig {
             .field("retry_backoff", &self.retry_backoff)
             .field("connect_timeout", &self.connect_timeout)
             .field("orphan_min_age", &self.orphan_min_age)
-            .field("retain_snapshots", &self.retain_snapshots)
-            .field("fault_hook", &self.fault_hook.as_ref().map(|_| "set"))
-            .finish()
+            .field("retain_snapshots", &self.retain_snapshots);
+        #[cfg(feature = "testing")]
+        d.field("fault_hook", &self.fault_hook.as_ref().map(|_| "set"));
+        d.finish()
     }
 }
 
@@ -702,6 +666,7 @@ impl IcebergSinkConfig {
             orphan_min_age: Some(Duration::from_secs(3600)),
             retain_snapshots: None,
             schema_evolution: false,
+            #[cfg(feature = "testing")]
             fault_hook: None,
         }
     }
@@ -714,19 +679,19 @@ impl IcebergSinkConfig {
 
     /// The table property holding this sink's last committed checkpoint id.
     pub fn committed_property(&self) -> String {
-        crate::catalog::committed_property(&self.sink_id)
+        crate::dedupe::committed_property(&self.sink_id)
     }
 
     /// The table property with the source positions of the last checkpoint
     /// this sink committed.
     pub fn positions_property(&self) -> String {
-        crate::catalog::positions_property(&self.sink_id)
+        crate::dedupe::positions_property(&self.sink_id)
     }
 
     /// The table property holding the epoch of the run that owns this
     /// sink (see `IcebergSink::claim`).
     pub fn epoch_property(&self) -> String {
-        crate::catalog::epoch_property(&self.sink_id)
+        crate::dedupe::epoch_property(&self.sink_id)
     }
 
     /// Checks every setting; the error names the key.

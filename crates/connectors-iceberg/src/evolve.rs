@@ -34,8 +34,9 @@ use iceberg::transaction::{AddColumn, ApplyTransactionAction, Transaction};
 use iceberg::{Catalog, Namespace, NamespaceIdent, TableCommit, TableCreation, TableIdent};
 use tinyflow_api::{StreamError, StreamResult};
 
-use crate::catalog::{SinkTable, external, iceberg_type};
+use crate::catalog::external;
 use crate::config::{Column, ColumnType};
+use crate::table::{SinkTable, iceberg_type};
 
 /// How often a schema commit is tried when another commit got in first.
 const ATTEMPTS: u32 = 5;

@@ -16,7 +16,8 @@ use iceberg::table::Table;
 use serde::{Deserialize, Serialize};
 use tinyflow_api::{JobPositions, StreamError, StreamResult};
 
-use crate::catalog::{committed_id, committed_positions, external, newest_sink_snapshot};
+use crate::catalog::external;
+use crate::dedupe::{committed_id, committed_positions, newest_sink_snapshot};
 use crate::writer::DataFileMeta;
 
 /// The table a committer's checkpoint was written for, and the last commit

@@ -17,10 +17,16 @@
 //!
 //! Dedupe is keyed on the configured sink id (stable across runs) and runs
 //! on the table as refreshed *inside* each commit attempt, including retries
-//! after a conflict (see [`catalog`]). On recovery the committer commits the
-//! restored checkpoints the table does not hold yet and drops the others;
-//! files of checkpoints that never completed are orphans, deleted by
-//! [`IcebergSink::delete_orphans`] (and on recovery, past a minimum age).
+//! after a conflict (see `catalog::GuardedCatalog`). On recovery the
+//! committer commits the restored checkpoints the table does not hold yet
+//! and drops the others; files of checkpoints that never completed are
+//! orphans, deleted by [`IcebergSink::delete_orphans`] (and on recovery,
+//! past a minimum age).
+//!
+//! Feature `testing` (tests only, never the product): the commit fault hook,
+//! `FaultHook`, `CommitStep` and `Fault` at the crate root and
+//! `IcebergSinkConfig::fault_hook`, which crashes or interferes at each step
+//! of a commit.
 //!
 //! ```no_run
 //! # use tinyflow_api::{JobBuilder, JobId, Stream};
@@ -45,13 +51,18 @@
 //! # }
 //! ```
 
-pub mod catalog;
+mod catalog;
 mod committer;
 pub mod config;
+mod dedupe;
 mod evolve;
+#[cfg(feature = "testing")]
+mod fault;
 pub mod identity;
 mod local_storage;
 mod orphans;
+mod read;
+mod table;
 mod writer;
 
 use std::sync::Arc;
@@ -60,21 +71,25 @@ use std::time::Duration;
 use arrow_array::RecordBatch;
 use tinyflow_api::{CheckpointId, JobPositions, SinkFactory, Stream, StreamResult, WriterFactory};
 
-pub use catalog::{
-    SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, SUMMARY_SINK_ID,
-    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, TableReader, committed_id, committed_positions,
-    epoch_owner, epoch_property, iceberg_schema, is_s3_location, load_table, open_catalog,
-    positions_property, scan_longs, table_epoch, total_records,
-};
+pub use catalog::{is_s3_location, open_catalog};
 pub use config::{
-    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, CommitStep, Compression, Fault,
-    FaultHook, IcebergSinkConfig, PartitionField, TableSpec,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSinkConfig,
+    PartitionField, TableSpec,
+};
+pub use dedupe::{
+    SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, SUMMARY_SINK_ID,
+    SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, epoch_owner,
+    epoch_property, positions_property, table_epoch,
 };
 pub use evolve::SchemaChange;
+#[cfg(feature = "testing")]
+pub use fault::{CommitStep, Fault, FaultHook};
 pub use orphans::OrphanReport;
+pub use read::{TableReader, load_table, scan_longs, total_records};
+pub use table::iceberg_schema;
 pub use writer::{DataFileMeta, conform, plain_columns};
 
-use crate::catalog::SinkTable;
+use crate::table::SinkTable;
 
 /// An exactly-once Iceberg sink; [`IcebergSink::attach`] adds it to a job.
 #[derive(Clone)]

@@ -8,7 +8,8 @@ use std::time::{Duration, SystemTime};
 
 use tinyflow_api::{StreamError, StreamResult};
 
-use crate::catalog::{SinkTable, external, is_s3_location};
+use crate::catalog::{external, is_s3_location};
+use crate::table::SinkTable;
 
 /// What a cleanup found and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -25,8 +25,9 @@ use tinyflow_api::{
     CheckpointId, OperatorContext, StreamError, StreamResult, Writer, WriterFactory,
 };
 
-use crate::catalog::{SinkTable, external};
+use crate::catalog::external;
 use crate::config::BadRecords;
+use crate::table::SinkTable;
 
 /// A data file written but not committed: what a writer sends its committer
 /// on a barrier, and what the committer keeps in checkpoint state.
