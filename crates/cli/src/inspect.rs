@@ -5,13 +5,12 @@
 #![allow(clippy::print_stdout, reason = "the command's output")]
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tinyflow_api::JobPositions;
 use tinyflow_connectors_iceberg::{
     CatalogConfig, SUMMARY_CHECKPOINT_ID, SUMMARY_SINK_ID, SUMMARY_SOURCE_POSITIONS,
-    SUMMARY_WATERMARK, open_catalog,
+    SUMMARY_WATERMARK, load_table,
 };
 
 /// `tinyflow inspect` options.
@@ -109,15 +108,7 @@ pub(crate) async fn run(args: InspectArgs) -> anyhow::Result<()> {
     let (ns, name) = table_name
         .rsplit_once('.')
         .context("TABLE: expected namespace.table")?;
-    let catalog = open_catalog(&config, Duration::from_secs(10)).await?;
-    let ident = iceberg::TableIdent::new(
-        iceberg::NamespaceIdent::from_strs(ns.split('.'))?,
-        name.to_owned(),
-    );
-    let table = catalog
-        .load_table(&ident)
-        .await
-        .with_context(|| format!("loading {table_name} from {}", config.describe()))?;
+    let table = load_table(&config, ns, name).await?;
     let meta = table.metadata();
     println!("table {table_name} at {}", meta.location());
     let committed: Vec<_> = meta
