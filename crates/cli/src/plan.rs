@@ -830,6 +830,69 @@ impl JobFile {
         if self.job.parallelism == 0 {
             return Err(err("job.parallelism", "expected at least 1"));
         }
+        let (source, evolution) = self.plan_source(start)?;
+        let source_schema = source.output_schema();
+        let transforms = Transforms::plan(&self.transforms, Arc::clone(&source_schema))?;
+        let output_schema = transforms.output();
+        let sc = self.plan_sink(&output_schema, evolution.is_some())?;
+        let (runtime, retained) = self.plan_runtime()?;
+        let (metrics_address, metrics_linger) = self.plan_metrics()?;
+        let (s, k, c) = (&self.source, &self.sink, &self.checkpoint);
+
+        let sink = match reuse {
+            Some(sink) => sink.clone(),
+            None => IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?,
+        };
+        if evolution.is_some() {
+            self.columns.bind(&sink);
+        }
+        let job = JobBuilder::new(job_id.clone());
+        let source_parallelism = s.parallelism.unwrap_or(self.job.parallelism);
+        let sink_parallelism = k.parallelism.unwrap_or(self.job.parallelism);
+        if source_parallelism == 0 {
+            return Err(err("source.parallelism", "expected at least 1"));
+        }
+        if sink_parallelism == 0 {
+            return Err(err("sink.parallelism", "expected at least 1"));
+        }
+        let stream = job.source(SOURCE_NODE, source_parallelism, source);
+        let stream = if self.transforms.is_empty() {
+            stream
+        } else {
+            let transforms = Arc::new(transforms);
+            stream.try_map(TRANSFORMS_NODE, move |batches: Vec<RecordBatch>| {
+                transforms.apply_all(batches)
+            })
+        };
+        sink.attach(stream, "iceberg", sink_parallelism);
+        let graph = job.build().map_err(|e| err("job", e.to_string()))?;
+        checkpoint_check(&runtime)?;
+        Ok(JobPlan {
+            job_id,
+            source_schema,
+            output_schema,
+            runtime,
+            checkpoint_dir: absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints")),
+            retained,
+            metrics_address,
+            metrics_linger,
+            restart_reset_after: duration(
+                "restart.reset_after",
+                self.restart.reset_after.as_deref().unwrap_or("10m"),
+            )?,
+            sink: sc,
+            iceberg: sink,
+            graph,
+            file: self.clone(),
+        })
+    }
+
+    /// The `[source]` section: the Kafka source with its value format, key,
+    /// headers, event time and schema evolution.
+    fn plan_source(
+        &self,
+        start: Option<StartPosition>,
+    ) -> Result<(KafkaArrowSource, Option<SchemaEvolution>), JobFileError> {
         let s = &self.source;
         let mut format = value_format(s)?;
         let value_columns = format.output_schema();
@@ -918,14 +981,20 @@ impl JobFile {
             tinyflow_api::StreamError::Config { key, message } => err(key, message),
             other => err("source", other.to_string()),
         })?;
-        let source_schema = source.output_schema();
-        let transforms = Transforms::plan(&self.transforms, Arc::clone(&source_schema))?;
-        let output_schema = transforms.output();
+        Ok((source, evolution))
+    }
 
+    /// The `[sink]` section, for a table of `output_schema`'s columns;
+    /// `evolution`: the source evolves the table's schema.
+    fn plan_sink(
+        &self,
+        output_schema: &SchemaRef,
+        evolution: bool,
+    ) -> Result<IcebergSinkConfig, JobFileError> {
         let k = &self.sink;
         let sink_id = k.sink_id.clone().unwrap_or_else(|| self.job.name.clone());
         let mut sc = IcebergSinkConfig::new(catalog(&k.catalog)?, &k.namespace, &k.table, &sink_id);
-        sc.schema_evolution = evolution.is_some();
+        sc.schema_evolution = evolution;
         if k.create_if_missing {
             let mut columns = Vec::with_capacity(output_schema.fields().len());
             for f in output_schema.fields() {
@@ -988,7 +1057,12 @@ impl JobFile {
             }
             other => err("sink", other.to_string()),
         })?;
+        Ok(sc)
+    }
 
+    /// The `[checkpoint]` and `[restart]` sections: the runtime's settings and
+    /// how many checkpoints to keep.
+    fn plan_runtime(&self) -> Result<(RuntimeConfig, usize), JobFileError> {
         let c = &self.checkpoint;
         let mut checkpoint = CheckpointConfig {
             interval: match c.interval.as_deref() {
@@ -1010,6 +1084,12 @@ impl JobFile {
             restart: restart(&self.restart)?,
             ..RuntimeConfig::default()
         };
+        Ok((runtime, retained))
+    }
+
+    /// The `[metrics]` section: the endpoint's address, and how long it stays
+    /// up after the job ends.
+    fn plan_metrics(&self) -> Result<(Option<SocketAddr>, Duration), JobFileError> {
         let metrics_address = self
             .metrics
             .address
@@ -1033,53 +1113,7 @@ impl JobFile {
             }
             Some(l) => duration("metrics.linger", l)?,
         };
-
-        let sink = match reuse {
-            Some(sink) => sink.clone(),
-            None => IcebergSink::new(sc.clone()).map_err(|e| err("sink", e.to_string()))?,
-        };
-        if evolution.is_some() {
-            self.columns.bind(&sink);
-        }
-        let job = JobBuilder::new(job_id.clone());
-        let source_parallelism = s.parallelism.unwrap_or(self.job.parallelism);
-        let sink_parallelism = k.parallelism.unwrap_or(self.job.parallelism);
-        if source_parallelism == 0 {
-            return Err(err("source.parallelism", "expected at least 1"));
-        }
-        if sink_parallelism == 0 {
-            return Err(err("sink.parallelism", "expected at least 1"));
-        }
-        let stream = job.source(SOURCE_NODE, source_parallelism, source);
-        let stream = if self.transforms.is_empty() {
-            stream
-        } else {
-            let transforms = Arc::new(transforms);
-            stream.try_map(TRANSFORMS_NODE, move |batches: Vec<RecordBatch>| {
-                transforms.apply_all(batches)
-            })
-        };
-        sink.attach(stream, "iceberg", sink_parallelism);
-        let graph = job.build().map_err(|e| err("job", e.to_string()))?;
-        checkpoint_check(&runtime)?;
-        Ok(JobPlan {
-            job_id,
-            source_schema,
-            output_schema,
-            runtime,
-            checkpoint_dir: absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints")),
-            retained,
-            metrics_address,
-            metrics_linger,
-            restart_reset_after: duration(
-                "restart.reset_after",
-                self.restart.reset_after.as_deref().unwrap_or("10m"),
-            )?,
-            sink: sc,
-            iceberg: sink,
-            graph,
-            file: self.clone(),
-        })
+        Ok((metrics_address, metrics_linger))
     }
 }
 
