@@ -12,6 +12,7 @@ mod jobfile;
 pub mod jobstate;
 pub mod nexmark;
 mod plan;
+mod prometheus;
 mod substitute;
 mod transform;
 
@@ -22,7 +23,8 @@ pub use jobfile::{
     FieldSection, JobFile, JobSection, MetricsSection, PartitionSection, RestartSection,
     SinkSection, SourceSection, TransformSection,
 };
-pub use plan::{JobPlan, absolute_path, counters_line, install_metrics, metric_sum};
+pub use plan::{JobPlan, absolute_path};
+pub use prometheus::{counters_line, install_metrics, metric_sum};
 pub use transform::Transforms;
 
 /// The exit codes of `tinyflow run` (and `inspect`, `reset`): what happened,
