@@ -5,21 +5,33 @@ use std::path::PathBuf;
 use crate::{CheckpointId, TaskId};
 
 /// An error and its sources, `: `-separated, for one log field or message.
+/// A source whose text the message so far already ends with (an error that
+/// shows its cause, like [`StreamError::External`]) is not repeated.
 ///
 /// ```
+/// use tinyflow_api::{StreamError, error_chain};
+///
 /// let e = std::io::Error::other("disk full");
-/// assert_eq!(tinyflow_api::error_chain(&e), "disk full");
+/// assert_eq!(error_chain(&e), "disk full");
+/// let e = StreamError::external("sink", "iceberg", "committing", e, true);
+/// assert_eq!(error_chain(&e), "sink: iceberg error while committing: disk full");
 /// ```
 pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
+        let cause = e.to_string();
+        if !text.ends_with(&cause) {
+            text.push_str(": ");
+            text.push_str(&cause);
+        }
         source = e.source();
     }
     text
 }
+
+/// A boxed error of any kind: the cause an error carries.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Result with [`StreamError`].
 pub type StreamResult<T> = Result<T, StreamError>;
@@ -101,8 +113,10 @@ pub enum StreamError {
         /// Why it could not be decoded.
         reason: String,
     },
-    /// An external system (broker, catalog) failed or is unreachable.
-    #[error("{operator}: {system} error while {action}: {message}")]
+    /// An external system (broker, catalog) failed or is unreachable. Its
+    /// text ends with the cause's, which stays reachable as the error's
+    /// source (for its own causes and for downcasting).
+    #[error("{operator}: {system} error while {action}: {source}")]
     External {
         /// The source or sink.
         operator: String,
@@ -110,9 +124,12 @@ pub enum StreamError {
         system: &'static str,
         /// What was being done.
         action: String,
-        /// The client's error.
-        message: String,
-        /// Whether trying again later may help.
+        /// The client's error, or what the connector found wrong (a
+        /// `String` converts into one).
+        #[source]
+        source: BoxError,
+        /// Whether trying again later may help: decided where the error is
+        /// made, by what the cause is.
         retryable: bool,
     },
     /// The job graph is invalid.
@@ -156,6 +173,25 @@ pub enum StreamError {
 }
 
 impl StreamError {
+    /// An [`StreamError::External`] error: `operator` failed talking to
+    /// `system` while `action`, because of `source`; `retryable` says
+    /// whether trying again later may help.
+    pub fn external(
+        operator: impl Into<String>,
+        system: &'static str,
+        action: impl Into<String>,
+        source: impl Into<BoxError>,
+        retryable: bool,
+    ) -> Self {
+        StreamError::External {
+            operator: operator.into(),
+            system,
+            action: action.into(),
+            source: source.into(),
+            retryable,
+        }
+    }
+
     /// Whether the same operation may succeed if tried again later.
     ///
     /// I/O errors and store outages are transient as far as one checkpoint

@@ -53,7 +53,7 @@ mod window;
 pub mod testing;
 
 pub use data::{DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group};
-pub use error::{StreamError, StreamResult, error_chain};
+pub use error::{BoxError, StreamError, StreamResult, error_chain};
 pub use ids::{CheckpointId, IdError, JobId, SinkId, TaskId};
 pub use job::{JobBuilder, JobGraph, KeyedStream, Stream};
 pub use operator::{

@@ -225,7 +225,8 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             let e: anyhow::Error = e;
-            eprintln!("error: {}", tinyflow_api::secrets::scrub(&format!("{e:#}")));
+            let text = tinyflow_api::error_chain(e.as_ref() as &dyn std::error::Error);
+            eprintln!("error: {}", tinyflow_api::secrets::scrub(&text));
             ExitCode::from(exit_code(&e))
         }
     }

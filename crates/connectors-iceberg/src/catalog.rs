@@ -30,18 +30,26 @@ use crate::dedupe::{Expect, Observed, observe, owned};
 use crate::fault::{CommitStep, Fault, FaultHook};
 use crate::local_storage::SyncedLocalStorageFactory;
 
+/// An iceberg client error as a [`StreamError`], retryable when iceberg
+/// says so; `also_retryable` adds kinds the caller knows a restart mends.
 pub(crate) fn external(
     operator: &str,
     action: impl Into<String>,
-    e: &iceberg::Error,
+    e: iceberg::Error,
 ) -> StreamError {
-    StreamError::External {
-        operator: operator.to_owned(),
-        system: "iceberg",
-        action: action.into(),
-        message: e.to_string(),
-        retryable: e.retryable(),
-    }
+    external_unless(operator, action, e, &[])
+}
+
+/// [`external`], also retryable for the error kinds in `passing` (what the
+/// caller knows a restart mends at its step, such as I/O trouble).
+pub(crate) fn external_unless(
+    operator: &str,
+    action: impl Into<String>,
+    e: iceberg::Error,
+    passing: &[iceberg::ErrorKind],
+) -> StreamError {
+    let retryable = e.retryable() || passing.contains(&e.kind());
+    StreamError::external(operator, "iceberg", action, e, retryable)
 }
 
 /// Opens the configured catalog; no answer within `timeout` counts as
@@ -52,13 +60,13 @@ pub async fn open_catalog(
 ) -> StreamResult<Arc<dyn Catalog>> {
     match tokio::time::timeout(timeout, open(config)).await {
         Ok(opened) => opened,
-        Err(_) => Err(StreamError::External {
-            operator: "iceberg".to_owned(),
-            system: "iceberg",
-            action: format!("opening the {}", config.describe()),
-            message: format!("no answer within {timeout:?}"),
-            retryable: true,
-        }),
+        Err(_) => Err(StreamError::external(
+            "iceberg".to_owned(),
+            "iceberg",
+            format!("opening the {}", config.describe()),
+            format!("no answer within {timeout:?}"),
+            true,
+        )),
     }
 }
 
@@ -188,12 +196,14 @@ async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
                 .map(|c| Arc::new(c) as Arc<dyn Catalog>)
         }
     };
-    opened.map_err(|e| StreamError::External {
-        operator: "iceberg".to_owned(),
-        system: "iceberg",
-        action: format!("opening the {}", config.describe()),
-        message: e.to_string(),
-        retryable: true,
+    opened.map_err(|e| {
+        StreamError::external(
+            "iceberg".to_owned(),
+            "iceberg",
+            format!("opening the {}", config.describe()),
+            e.to_string(),
+            true,
+        )
     })
 }
 

@@ -12,7 +12,7 @@ use tinyflow_api::{
     StreamResult, merge_positions,
 };
 
-use crate::catalog::{GuardedCatalog, external};
+use crate::catalog::{GuardedCatalog, external, external_unless};
 use crate::dedupe::{
     Expect, Observed, SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_SINK_ID,
     SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, observe, owned,
@@ -493,11 +493,11 @@ impl Committer {
                 .expire_older_than_ms(i64::MAX)
                 .retain_last(keep)
                 .apply(tx)
-                .map_err(|e| external(&label, "expiring snapshots", &e))?;
+                .map_err(|e| external(&label, "expiring snapshots", e))?;
             let catalog = self.table.catalog().await?;
             tx.commit(catalog.as_ref())
                 .await
-                .map_err(|e| external(&label, "expiring snapshots", &e))
+                .map_err(|e| external(&label, "expiring snapshots", e))
         }
         .await;
         match result {
@@ -535,24 +535,24 @@ impl Committer {
         for checkpoint in staged.values() {
             for f in &checkpoint.files {
                 let spec = metadata.partition_spec_by_id(f.spec_id).ok_or_else(|| {
-                    StreamError::External {
-                        operator: label.clone(),
-                        system: "iceberg",
-                        action: format!("committing {}", f.path),
-                        message: format!("the table has no partition spec {}", f.spec_id),
-                        retryable: false,
-                    }
+                    StreamError::external(
+                        label.clone(),
+                        "iceberg",
+                        format!("committing {}", f.path),
+                        format!("the table has no partition spec {}", f.spec_id),
+                        false,
+                    )
                 })?;
                 let partition_type = spec
                     .partition_type(schema)
-                    .map_err(|e| external(&label, "reading the partition spec", &e))?;
+                    .map_err(|e| external(&label, "reading the partition spec", e))?;
                 let file = iceberg::spec::deserialize_data_file_from_json(
                     &f.json,
                     f.spec_id,
                     &partition_type,
                     schema,
                 )
-                .map_err(|e| external(&label, format!("decoding metadata of {}", f.path), &e))?;
+                .map_err(|e| external(&label, format!("decoding metadata of {}", f.path), e))?;
                 files.push(file);
             }
         }
@@ -590,7 +590,7 @@ impl Committer {
             .set_snapshot_properties(summary);
         let tx = append
             .apply(tx)
-            .map_err(|e| external(&label, "building the commit", &e))?;
+            .map_err(|e| external(&label, "building the commit", e))?;
         let mut props = tx
             .update_table_properties()
             .set(config.committed_property(), high.to_string());
@@ -599,7 +599,7 @@ impl Committer {
         }
         let tx = props
             .apply(tx)
-            .map_err(|e| external(&label, "building the commit", &e))?;
+            .map_err(|e| external(&label, "building the commit", e))?;
         let catalog = sink.catalog().await?;
         let guard = GuardedCatalog::new(catalog.as_ref(), &config.sink_id, Some((low, high)))
             .expecting(expect);
@@ -610,32 +610,30 @@ impl Committer {
             Err(e) => match guard.observed() {
                 #[cfg(feature = "testing")]
                 Some(Observed::Crashed) => Err(Failed {
-                    error: StreamError::External {
-                        operator: label,
-                        system: "iceberg",
-                        action: format!("committing checkpoint {high}"),
-                        message: format!("injected crash: {e}"),
+                    error: StreamError::external(
+                        label,
+                        "iceberg",
+                        format!("committing checkpoint {high}"),
+                        format!("injected crash: {e}"),
                         // As after a real crash: a restart recovers.
-                        retryable: true,
-                    },
+                        true,
+                    ),
                     crashed: true,
                 }),
                 Some(seen) => Ok(Tried::Seen(seen)),
-                None => {
-                    let mut error =
-                        external(&label, format!("committing checkpoints {low}..={high}"), &e);
-                    // I/O and catalog trouble may pass: a restart recovers
-                    // the files from the checkpoint and tries again. Invalid
-                    // data or an unsupported feature would fail again.
-                    if let StreamError::External { retryable, .. } = &mut error {
-                        *retryable |= matches!(
-                            e.kind(),
-                            iceberg::ErrorKind::Unexpected
-                                | iceberg::ErrorKind::CatalogCommitConflicts
-                        );
-                    }
-                    Err(error.into())
-                }
+                // I/O and catalog trouble may pass: a restart recovers the
+                // files from the checkpoint and tries again. Invalid data or
+                // an unsupported feature would fail again.
+                None => Err(external_unless(
+                    &label,
+                    format!("committing checkpoints {low}..={high}"),
+                    e,
+                    &[
+                        iceberg::ErrorKind::Unexpected,
+                        iceberg::ErrorKind::CatalogCommitConflicts,
+                    ],
+                )
+                .into()),
             },
         }
     }
@@ -688,13 +686,13 @@ async fn on_commit_thread<T: Send + 'static>(
     match task.await {
         Ok(result) => result,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(e) => Err(Failed::from(StreamError::External {
-            operator: label.to_owned(),
-            system: "iceberg",
-            action: "committing".to_owned(),
-            message: format!("the commit thread dropped the commit: {e}"),
-            retryable: true,
-        })),
+        Err(e) => Err(Failed::from(StreamError::external(
+            label.to_owned(),
+            "iceberg",
+            "committing".to_owned(),
+            format!("the commit thread dropped the commit: {e}"),
+            true,
+        ))),
     }
 }
 
@@ -710,18 +708,15 @@ impl Sink<DataFileMeta> for Committer {
         // its barrier; the checkpoint names them only once they are durable.
         // A failed sync (a full or failing disk) may pass: a restart retries.
         let started = Instant::now();
-        let synced = self
-            .table
-            .syncs
-            .wait()
-            .await
-            .map_err(|e| StreamError::External {
-                operator: self.table.label(),
-                system: "iceberg",
-                action: format!("syncing checkpoint {id}'s data files to disk"),
-                message: e.to_string(),
-                retryable: true,
-            })?;
+        let synced = self.table.syncs.wait().await.map_err(|e| {
+            StreamError::external(
+                self.table.label(),
+                "iceberg",
+                format!("syncing checkpoint {id}'s data files to disk"),
+                e.to_string(),
+                true,
+            )
+        })?;
         tracing::debug!(
             sink = %self.table.label(),
             checkpoint = %id,

@@ -81,15 +81,15 @@ pub fn committed_positions(table: &Table, sink_id: &str) -> StreamResult<Option<
     let Some(json) = table.metadata().properties().get(&key) else {
         return Ok(None);
     };
-    serde_json::from_str(json)
-        .map(Some)
-        .map_err(|e| StreamError::External {
-            operator: sink_id.to_owned(),
-            system: "iceberg",
-            action: format!("reading the table property {key}"),
-            message: format!("not the JSON of source positions ({e}): {json}"),
-            retryable: false,
-        })
+    serde_json::from_str(json).map(Some).map_err(|e| {
+        StreamError::external(
+            sink_id.to_owned(),
+            "iceberg",
+            format!("reading the table property {key}"),
+            format!("not the JSON of source positions ({e}): {json}"),
+            false,
+        )
+    })
 }
 
 /// The highest checkpoint id `sink_id` committed to `table`: the larger of

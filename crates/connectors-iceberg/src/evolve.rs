@@ -468,17 +468,17 @@ impl SinkTable {
             let current = table.metadata().current_schema();
             let mut p = Plan::default();
             plan(current.as_struct().fields(), wanted, None, &mut p).map_err(|message| {
-                StreamError::External {
-                    operator: label.clone(),
-                    system: "iceberg",
-                    action: format!("evolving table {}'s schema", self.table_name()),
+                StreamError::external(
+                    label.clone(),
+                    "iceberg",
+                    format!("evolving table {}'s schema", self.table_name()),
                     message,
-                    retryable: false,
-                }
+                    false,
+                )
             })?;
             if p.change.is_empty() {
                 let arrow = iceberg::arrow::schema_to_arrow_schema(current)
-                    .map_err(|e| external(&label, "mapping the schema to Arrow", &e))?;
+                    .map_err(|e| external(&label, "mapping the schema to Arrow", e))?;
                 return Ok((SchemaChange::default(), Arc::new(arrow)));
             }
             let widening = Widening {
@@ -489,7 +489,7 @@ impl SinkTable {
                 table.clone()
             } else {
                 with_widened_schema(&table, &p.widen)
-                    .map_err(|e| external(&label, "promoting column types", &e))?
+                    .map_err(|e| external(&label, "promoting column types", e))?
             };
             let tx = Transaction::new(&base);
             let mut action = tx.update_schema();
@@ -516,7 +516,7 @@ impl SinkTable {
                     let schema = t.metadata().current_schema();
                     tracing::info!(table = %self.table_name(), sink = %self.config.sink_id, added = ?p.change.added, widened = ?p.change.widened, schema_id = schema.schema_id(), "evolved the table's schema");
                     let arrow = iceberg::arrow::schema_to_arrow_schema(schema)
-                        .map_err(|e| external(&label, "mapping the schema to Arrow", &e))?;
+                        .map_err(|e| external(&label, "mapping the schema to Arrow", e))?;
                     return Ok((p.change, Arc::new(arrow)));
                 }
                 // Another commit (another subtask's evolution, a data
@@ -531,7 +531,7 @@ impl SinkTable {
         Err(external(
             &label,
             format!("evolving table {}'s schema", self.table_name()),
-            &e,
+            e,
         ))
     }
 }

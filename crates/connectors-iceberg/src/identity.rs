@@ -207,7 +207,7 @@ pub(crate) async fn verify_files<'a>(
     for (checkpoint, f) in files {
         let input = io
             .new_input(&f.path)
-            .map_err(|e| external(label, format!("checking data file {}", f.path), &e))?;
+            .map_err(|e| external(label, format!("checking data file {}", f.path), e))?;
         let problem = match input.metadata().await {
             Ok(m) if m.size == f.bytes => None,
             Ok(m) => Some(format!(
@@ -220,11 +220,7 @@ pub(crate) async fn verify_files<'a>(
                     f.bytes
                 )),
                 Ok(true) | Err(_) => {
-                    return Err(external(
-                        label,
-                        format!("checking data file {}", f.path),
-                        &e,
-                    ));
+                    return Err(external(label, format!("checking data file {}", f.path), e));
                 }
             },
         };

@@ -41,7 +41,7 @@ async fn referenced(table: &iceberg::table::Table, label: &str) -> StreamResult<
             .await
             .map_err(|e| {
                 let path = snapshot.manifest_list();
-                external(label, format!("reading manifest list {path}"), &e)
+                external(label, format!("reading manifest list {path}"), e)
             })?;
         for manifest in list.entries() {
             if !manifests.insert(manifest.manifest_path.clone()) {
@@ -51,7 +51,7 @@ async fn referenced(table: &iceberg::table::Table, label: &str) -> StreamResult<
                 external(
                     label,
                     format!("reading manifest {}", manifest.manifest_path),
-                    &e,
+                    e,
                 )
             })?;
             for entry in m.entries() {
@@ -123,12 +123,14 @@ async fn list_s3(
     props: &HashMap<String, String>,
     label: &str,
 ) -> StreamResult<Vec<Listed>> {
-    let failed = |message: String| StreamError::External {
-        operator: label.to_owned(),
-        system: "s3",
-        action: format!("listing the data files under {location}"),
-        message,
-        retryable: true,
+    let failed = |message: String| {
+        StreamError::external(
+            label.to_owned(),
+            "s3",
+            format!("listing the data files under {location}"),
+            message,
+            true,
+        )
     };
     let (scheme, rest) = location
         .split_once("://")
@@ -262,7 +264,7 @@ pub(crate) async fn delete_orphans(
             external(
                 &label,
                 format!("deleting orphan data file {}", file.location),
-                &e,
+                e,
             )
         })?;
         tracing::debug!(sink = %label, file = %file.location, "deleted orphan");

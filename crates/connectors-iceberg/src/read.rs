@@ -52,7 +52,7 @@ impl TableReader {
         let c = open_catalog(catalog, std::time::Duration::from_secs(10)).await?;
         let ident = NamespaceIdent::from_strs(namespace.split('.'))
             .map(|ns| TableIdent::new(ns, table.to_owned()))
-            .map_err(|e| external("iceberg", format!("naming {namespace}.{table}"), &e))?;
+            .map_err(|e| external("iceberg", format!("naming {namespace}.{table}"), e))?;
         Ok(TableReader {
             catalog: c,
             ident,
@@ -65,7 +65,7 @@ impl TableReader {
         self.catalog
             .load_table(&self.ident)
             .await
-            .map_err(|e| external("iceberg", format!("loading {}", self.label), &e))
+            .map_err(|e| external("iceberg", format!("loading {}", self.label), e))
     }
 }
 
@@ -101,25 +101,27 @@ pub async fn scan_longs(
     let what = format!("scanning column {column}");
     let batches: Vec<arrow_array::RecordBatch> = scan
         .build()
-        .map_err(|e| external(&label, what.clone(), &e))?
+        .map_err(|e| external(&label, what.clone(), e))?
         .to_arrow()
         .await
-        .map_err(|e| external(&label, what.clone(), &e))?
+        .map_err(|e| external(&label, what.clone(), e))?
         .try_collect()
         .await
-        .map_err(|e| external(&label, what.clone(), &e))?;
+        .map_err(|e| external(&label, what.clone(), e))?;
     let mut values = Vec::new();
     for b in &batches {
         let longs = b
             .column(0)
             .as_any()
             .downcast_ref::<arrow_array::Int64Array>()
-            .ok_or_else(|| StreamError::External {
-                operator: label.clone(),
-                system: "iceberg",
-                action: what.clone(),
-                message: format!("the column is {}, not long", b.column(0).data_type()),
-                retryable: false,
+            .ok_or_else(|| {
+                StreamError::external(
+                    label.clone(),
+                    "iceberg",
+                    what.clone(),
+                    format!("the column is {}, not long", b.column(0).data_type()),
+                    false,
+                )
             })?;
         values.extend(longs.iter().flatten());
     }

@@ -170,7 +170,7 @@ impl SinkTable {
                     "the table (uuid {uuid}) was dropped while the job ran: {e}; a new run creates it again (when its schema is declared) and refuses the checkpoints written for the old one"
                 ),
             }),
-            Err(e) => Err(external(&self.label(), "loading the table", &e)),
+            Err(e) => Err(external(&self.label(), "loading the table", e)),
         }
     }
 
@@ -211,13 +211,13 @@ impl SinkTable {
             ]));
             let tx = append
                 .apply(tx)
-                .map_err(|e| external(&label, "building the epoch claim", &e))?;
+                .map_err(|e| external(&label, "building the epoch claim", e))?;
             let tx = tx
                 .update_table_properties()
                 .set(epoch_property(sink), mine.to_string())
                 .set(epoch_owner_property(sink), owner.clone())
                 .apply(tx)
-                .map_err(|e| external(&label, "building the epoch claim", &e))?;
+                .map_err(|e| external(&label, "building the epoch claim", e))?;
             let catalog = self.catalog().await?;
             let guard = GuardedCatalog::new(catalog.as_ref(), sink, None).expecting(Expect {
                 uuid: uuid.clone(),
@@ -241,17 +241,17 @@ impl SinkTable {
                             ),
                         });
                     }
-                    _ => return Err(external(&label, "claiming the sink's epoch", &e)),
+                    _ => return Err(external(&label, "claiming the sink's epoch", e)),
                 },
             }
         }
-        Err(StreamError::External {
-            operator: label,
-            system: "iceberg",
-            action: "claiming the sink's epoch".to_owned(),
-            message: "other runs claimed it ten times in a row while this one tried".to_owned(),
-            retryable: true,
-        })
+        Err(StreamError::external(
+            label,
+            "iceberg",
+            "claiming the sink's epoch".to_owned(),
+            "other runs claimed it ten times in a row while this one tried".to_owned(),
+            true,
+        ))
     }
 
     /// The highest checkpoint id this sink committed to the table.
@@ -463,18 +463,18 @@ async fn ensure_table(
     let ns_exists = catalog
         .namespace_exists(ident.namespace())
         .await
-        .map_err(|e| external(&label, "looking up the namespace", &e))?;
+        .map_err(|e| external(&label, "looking up the namespace", e))?;
     let exists = ns_exists
         && catalog
             .table_exists(ident)
             .await
-            .map_err(|e| external(&label, format!("looking up table {what}"), &e))?;
+            .map_err(|e| external(&label, format!("looking up table {what}"), e))?;
     if exists {
         return catalog
             .load_table(ident)
             .await
             .map(|t| (t, false))
-            .map_err(|e| external(&label, format!("loading table {what}"), &e));
+            .map_err(|e| external(&label, format!("loading table {what}"), e));
     }
     let Some(spec) = &config.table_spec else {
         return Err(StreamError::Config {
@@ -492,7 +492,7 @@ async fn ensure_table(
         match catalog.create_namespace(ns, HashMap::new()).await {
             Ok(Namespace { .. }) => {}
             Err(e) if e.kind() == ErrorKind::NamespaceAlreadyExists => {}
-            Err(e) => return Err(external(&label, "creating the namespace", &e)),
+            Err(e) => return Err(external(&label, "creating the namespace", e)),
         }
     }
     let creation = TableCreation::builder()
@@ -511,8 +511,8 @@ async fn ensure_table(
             .load_table(ident)
             .await
             .map(|t| (t, false))
-            .map_err(|e| external(&label, format!("loading table {what}"), &e)),
-        Err(e) => Err(external(&label, format!("creating table {what}"), &e)),
+            .map_err(|e| external(&label, format!("loading table {what}"), e)),
+        Err(e) => Err(external(&label, format!("creating table {what}"), e)),
     }
 }
 

@@ -25,7 +25,7 @@ use tinyflow_api::{
     CheckpointId, OperatorContext, StreamError, StreamResult, Writer, WriterFactory,
 };
 
-use crate::catalog::external;
+use crate::catalog::{external, external_unless};
 use crate::config::BadRecords;
 use crate::table::SinkTable;
 
@@ -68,7 +68,7 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             ctx.subtask,
             ctx.parallelism
         );
-        let fail = |action: &str, e: iceberg::Error| external(&label, action, &e);
+        let fail = |action: &str, e: iceberg::Error| external(&label, action, e);
         let metadata = table.metadata();
         let schema = metadata.current_schema().clone();
         let spec = metadata.default_partition_spec().clone();
@@ -294,7 +294,7 @@ impl IcebergFileWriter {
             let writer = stack
                 .build(key)
                 .await
-                .map_err(|e| file_error(&self.label, "opening a data file", &e))?;
+                .map_err(|e| file_error(&self.label, "opening a data file", e))?;
             self.open.insert(
                 path.clone(),
                 Open {
@@ -310,7 +310,7 @@ impl IcebergFileWriter {
         open.writer
             .write(batch)
             .await
-            .map_err(|e| file_error(&self.label, format!("writing {}", part_name(&path)), &e))
+            .map_err(|e| file_error(&self.label, format!("writing {}", part_name(&path)), e))
     }
 
     /// Bad-record policy `skip`: the batch without its rows that have a null
@@ -382,9 +382,10 @@ impl IcebergFileWriter {
         if let Some(mut open) = self.open.remove(&path) {
             self.evictions.increment(1);
             tracing::debug!(writer = %self.label, partition = %path, "closing least recently used file");
-            let files = open.writer.close().await.map_err(|e| {
-                file_error(&self.label, format!("closing {}", part_name(&path)), &e)
-            })?;
+            let files =
+                open.writer.close().await.map_err(|e| {
+                    file_error(&self.label, format!("closing {}", part_name(&path)), e)
+                })?;
             self.closed.extend(files);
         }
         Ok(())
@@ -416,7 +417,7 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
                 Some(splitter) => {
                     let parts = splitter
                         .split(&batch)
-                        .map_err(|e| external(&self.label, "computing partition values", &e))?;
+                        .map_err(|e| external(&self.label, "computing partition values", e))?;
                     for (key, part) in parts {
                         self.write_part(Some(key), part).await?;
                     }
@@ -433,7 +434,7 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
                 file_error(
                     &self.label,
                     format!("closing {} at checkpoint {id}", part_name(&path)),
-                    &e,
+                    e,
                 )
             })?;
             files.extend(closed);
@@ -454,7 +455,7 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
                     &self.partition_type,
                     self.format_version,
                 )
-                .map_err(|e| external(&self.label, "encoding data file metadata", &e))?;
+                .map_err(|e| external(&self.label, "encoding data file metadata", e))?;
                 Ok(DataFileMeta { json, ..meta })
             })
             .collect()
@@ -466,12 +467,8 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
 /// does not answer, permissions), not the records', and a restart, once it
 /// has passed, writes the same records again from the last checkpoint.
 /// Records that cannot fit the table fail earlier, in [`conform`].
-fn file_error(operator: &str, action: impl Into<String>, e: &iceberg::Error) -> StreamError {
-    let mut error = external(operator, action, e);
-    if let StreamError::External { retryable, .. } = &mut error {
-        *retryable |= e.kind() == iceberg::ErrorKind::Unexpected;
-    }
-    error
+fn file_error(operator: &str, action: impl Into<String>, e: iceberg::Error) -> StreamError {
+    external_unless(operator, action, e, &[iceberg::ErrorKind::Unexpected])
 }
 
 /// How errors name the file of partition `path` (empty when the table is
@@ -493,12 +490,14 @@ pub fn conform(
     operator: &str,
 ) -> StreamResult<RecordBatch> {
     // Not retryable: the same records would fail again after a restart.
-    let bad = |message: String| StreamError::External {
-        operator: operator.to_owned(),
-        system: "iceberg",
-        action: "fitting a record batch to the table schema".to_owned(),
-        message,
-        retryable: false,
+    let bad = |message: String| {
+        StreamError::external(
+            operator.to_owned(),
+            "iceberg",
+            "fitting a record batch to the table schema".to_owned(),
+            message,
+            false,
+        )
     };
     let schema = batch.schema();
     for field in schema.fields() {

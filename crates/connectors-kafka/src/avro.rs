@@ -385,13 +385,13 @@ impl AvroValues {
         if let Some((id, at)) = self.blocked.take() {
             match self.writers.get(&id) {
                 Some(Writer::Stop(reason)) => {
-                    return Err(StreamError::External {
-                        operator: self.name.clone(),
-                        system: "kafka",
-                        action: "reading Avro records".to_owned(),
-                        message: format!("the record at {at}: {reason}"),
-                        retryable: false,
-                    });
+                    return Err(StreamError::external(
+                        self.name.clone(),
+                        "kafka",
+                        "reading Avro records".to_owned(),
+                        format!("the record at {at}: {reason}"),
+                        false,
+                    ));
                 }
                 Some(Writer::Evolve(grown)) => {
                     let grown = Arc::clone(grown);
@@ -401,15 +401,15 @@ impl AvroValues {
                     };
                     let change = evolver.evolve(grown).await?;
                     tracing::info!(source = %self.name, schema_id = id, at = %at, change = %change, "the table took the writer schema's new columns; restarting from the last checkpoint with them");
-                    return Err(StreamError::External {
-                        operator: self.name.clone(),
-                        system: "iceberg",
-                        action: "evolving the table's schema".to_owned(),
-                        message: format!(
+                    return Err(StreamError::external(
+                        self.name.clone(),
+                        "iceberg",
+                        "evolving the table's schema".to_owned(),
+                        format!(
                             "schema id {id} (first at {at}) brought {change}; the job restarts from its last checkpoint with the new columns"
                         ),
-                        retryable: true,
-                    });
+                        true,
+                    ));
                 }
                 _ => {}
             }
@@ -449,13 +449,13 @@ impl AvroValues {
     }
 
     fn error(&self, message: String, retryable: bool) -> StreamError {
-        StreamError::External {
-            operator: self.name.clone(),
-            system: "schema registry",
-            action: "fetching writer schemas".to_owned(),
+        StreamError::external(
+            self.name.clone(),
+            "schema registry",
+            "fetching writer schemas".to_owned(),
             message,
             retryable,
-        }
+        )
     }
 
     /// Fetches every wanted id, retrying while the registry is unreachable

@@ -25,7 +25,7 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use tinyflow_api::{StreamError, StreamResult};
+use tinyflow_api::{BoxError, StreamError, StreamResult};
 use tokio::time::Instant;
 
 use crate::config::{DEFAULT_CLIENT_SETTINGS, KafkaSourceConfig, StartPosition};
@@ -38,16 +38,10 @@ pub(crate) type KafkaConsumer = BaseConsumer<SourceContext>;
 pub(crate) fn external(
     operator: &str,
     action: impl Into<String>,
-    e: impl std::fmt::Display,
+    e: impl Into<BoxError>,
     retryable: bool,
 ) -> StreamError {
-    StreamError::External {
-        operator: operator.to_owned(),
-        system: "kafka",
-        action: action.into(),
-        message: e.to_string(),
-        retryable,
-    }
+    StreamError::external(operator, "kafka", action, e, retryable)
 }
 
 /// The consumer's context: passes librdkafka's logs to `tracing` and keeps

@@ -131,7 +131,7 @@ fn transaction_error(name: &str, action: String, e: &KafkaError) -> StreamError 
             ),
         }
     } else {
-        external(name, action, e, true)
+        external(name, action, e.clone(), true)
     }
 }
 

@@ -23,14 +23,8 @@ impl std::fmt::Debug for EmbeddedKafka {
     }
 }
 
-fn failed(action: String, e: impl std::fmt::Display) -> StreamError {
-    StreamError::External {
-        operator: "embedded kafka".into(),
-        system: "kafka",
-        action,
-        message: e.to_string(),
-        retryable: false,
-    }
+fn failed(action: String, e: rdkafka::error::KafkaError) -> StreamError {
+    StreamError::external("embedded kafka", "kafka", action, e, false)
 }
 
 impl EmbeddedKafka {

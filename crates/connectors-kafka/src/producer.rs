@@ -49,14 +49,8 @@ impl std::fmt::Debug for RecordProducer {
     }
 }
 
-fn failed(action: String, e: impl std::fmt::Display) -> StreamError {
-    StreamError::External {
-        operator: "producer".into(),
-        system: "kafka",
-        action,
-        message: e.to_string(),
-        retryable: false,
-    }
+fn failed(action: String, e: rdkafka::error::KafkaError) -> StreamError {
+    StreamError::external("producer", "kafka", action, e, false)
 }
 
 impl RecordProducer {

@@ -138,17 +138,17 @@ impl Progress {
             && !behind.is_empty()
             && now.duration_since(self.any_moved) >= fail
         {
-            return Err(StreamError::External {
-                operator: name.to_owned(),
-                system: "kafka",
-                action: "reading".to_owned(),
-                message: format!(
+            return Err(StreamError::external(
+                name.to_owned(),
+                "kafka",
+                "reading".to_owned(),
+                format!(
                     "no progress for {} s while behind on {}",
                     now.duration_since(self.any_moved).as_secs(),
                     behind.join(", ")
                 ),
-                retryable: true,
-            });
+                true,
+            ));
         }
         Ok(stalled)
     }

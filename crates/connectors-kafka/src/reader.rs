@@ -422,10 +422,10 @@ impl<D> Reader<D> {
     /// retried after a growing pause.
     fn consumer_error(&mut self, e: &KafkaError) -> StreamResult<()> {
         match classify(e) {
-            ErrorClass::Fatal => Err(StreamError::External {
-                operator: self.bad.name.clone(),
-                system: "kafka",
-                action: format!(
+            ErrorClass::Fatal => Err(StreamError::external(
+                self.bad.name.clone(),
+                "kafka",
+                format!(
                     "reading {} (positions {})",
                     self.topics
                         .iter()
@@ -438,12 +438,12 @@ impl<D> Reader<D> {
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
-                message: format!(
+                format!(
                     "{e}{}; this does not heal by retrying",
                     last_client_error(&self.consumer)
                 ),
-                retryable: false,
-            }),
+                false,
+            )),
             ErrorClass::UnknownTopic => {
                 // Deleted, or not known to a broker just restarted: the
                 // metadata decides, now rather than at the next round.
