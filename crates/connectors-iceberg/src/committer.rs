@@ -645,10 +645,10 @@ impl Committer {
 /// A commit is a chain of short steps (load the table, write a manifest, a
 /// manifest list and a metadata file, update the catalog), each an await.
 /// On the job's runtime, with sources and writers keeping every worker
-/// busy, each step waited behind their polls: commits that take 7 ms alone
-/// took 150-440 ms in the pipeline bench, and every record waited that much
-/// longer to become visible. The kernel schedules a thread of its own
-/// fairly against the workers.
+/// busy, each step would wait behind their polls, and every record would
+/// wait that much longer to become visible (`docs/performance.md` has the
+/// measured difference). The kernel schedules a thread of its own fairly
+/// against the workers.
 ///
 /// Dropping the returned future (the committer's task aborted) aborts the
 /// commit at its next await, as dropping it in place would. A panic in the

@@ -18,9 +18,9 @@
 //! sync and returns, and the sync joins the sink's [`PendingSyncs`]. The
 //! committer waits for all of them before it acks a checkpoint, so a
 //! checkpoint never names a file the disk may not have, while the writers
-//! go on encoding the next records during the sync. On the development
-//! machine a data file's sync took 17-124 ms at 1 s checkpoints, time in
-//! which a writer with the sync on its path stood still.
+//! go on encoding the next records during the sync. A data file's sync
+//! takes tens of milliseconds (`docs/performance.md`), time in which a
+//! writer with the sync on its path would stand still.
 
 use std::fs;
 use std::io::Write as _;

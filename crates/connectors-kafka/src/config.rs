@@ -374,13 +374,11 @@ impl KafkaSourceConfig {
 
 /// librdkafka settings the source's consumer gets unless
 /// [`KafkaSourceConfig::properties`] sets them, chosen by measurement (the
-/// `kafka_source` bench binary, see `docs/kafka.md`): with the default
-/// `fetch.queue.backoff.ms` (1 s) a consumer that drains its queue in
-/// batches waits for fetches a third of the time (0.24 M rec/s against
-/// 0.99 M rec/s with 10 ms, on a local broker). librdkafka's default
-/// pre-fetch queue of 64 MiB per consumer made the pipeline bench's job
-/// (4 source subtasks) peak at 498 MB RSS; with 8 MiB it peaked at 197 MB
-/// and ran no slower (0.278 against 0.228 M events/s, one run each).
+/// `kafka_source` and `pipeline` bench binaries; figures in
+/// `docs/performance.md`): with the default `fetch.queue.backoff.ms` (1 s)
+/// a consumer that drains its queue in batches waits for fetches a third of
+/// the time, and librdkafka's default pre-fetch queue of 64 MiB per consumer
+/// more than doubles the job's peak memory without making it faster.
 pub const DEFAULT_CLIENT_SETTINGS: &[(&str, &str)] = &[
     ("fetch.queue.backoff.ms", "10"),
     ("queued.max.messages.kbytes", "8192"),

@@ -15,8 +15,8 @@
 //! all, types the scan does not check, values the schema does not declare)
 //! is left to the decoder, which reports it. The scan never allocates on the common path;
 //! it reads the objects and arrays the schema declares by their grammar and walks strings and digit
-//! runs eight bytes at a time (about 100 ns on a 270-byte Nexmark bid, a
-//! fifth of what arrow-json takes to decode it; `docs/kafka.md`). With no
+//! runs eight bytes at a time (a fraction of what arrow-json takes to decode
+//! the same payload; `docs/performance.md`). With no
 //! columns to check it only counts brackets, unless there are too many.
 
 use std::sync::LazyLock;
