@@ -53,7 +53,7 @@
 
 mod catalog;
 mod committer;
-pub mod config;
+mod config;
 mod dedupe;
 mod evolve;
 #[cfg(feature = "testing")]

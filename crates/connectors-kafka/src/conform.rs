@@ -331,7 +331,7 @@ fn uuid_text(b: &[u8]) -> String {
 /// entries `key_value` (`key`, `value`) as Iceberg names them. An error for
 /// a type no Iceberg column takes here (time of day, nanosecond
 /// timestamps, durations).
-pub fn table_field(field: &Field) -> Result<Field, String> {
+pub(crate) fn table_field(field: &Field) -> Result<Field, String> {
     use DataType as D;
     let named = |name: &str, f: &Field| -> Result<FieldRef, String> {
         Ok(Arc::new(

@@ -61,7 +61,7 @@ pub use config::{
     BadRecordPolicy, DEFAULT_CLIENT_SETTINGS, EventTime, Format, KafkaSourceConfig, StartPosition,
 };
 #[cfg(feature = "avro")]
-pub use conform::{grow as grow_columns, table_field};
+pub use conform::grow as grow_columns;
 pub use decode::KafkaRecord;
 #[cfg(feature = "embedded")]
 pub use embedded::EmbeddedKafka;
