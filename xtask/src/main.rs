@@ -1,7 +1,8 @@
 //! Project automation, run as `cargo xtask <command>`:
 //!
 //! - `ci`: everything CI checks, in order: formatting, clippy with warnings
-//!   denied, all tests (unit, integration, property, doc; benches run once in
+//!   denied (all features, then the product build without test features),
+//!   all tests (unit, integration, property, doc; benches run once in
 //!   test mode, so they are compiled and exercised) with a real Kafka broker
 //!   started for them and stopped after, pyiceberg installed for them, docs
 //!   with warnings denied.
@@ -102,6 +103,21 @@ fn ci() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--all-features",
+            "--",
+            "-D",
+            "warnings",
+        ]),
+    )?;
+    // The product as a user builds it: no test features (the commit fault
+    // hook, the chaos knob), which the step above always turns on.
+    run(
+        "clippy, product build",
+        &mut cargo(&[
+            "clippy",
+            "-p",
+            "tinyflow-cli",
+            "-p",
+            "tinyflow-connectors-iceberg",
             "--",
             "-D",
             "warnings",

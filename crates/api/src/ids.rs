@@ -1,5 +1,5 @@
 //! Identifier newtypes. Each id is its own type so a checkpoint id can never be
-//! passed where a task id is expected, and names (`JobId`, `SinkId`) are
+//! passed where a task id is expected, and names (`JobId`) are
 //! validated once, at the edge, into a form safe for file names and table
 //! properties.
 
@@ -78,7 +78,7 @@ impl fmt::Display for TaskId {
     }
 }
 
-/// Why a name was rejected as a [`JobId`] or [`SinkId`].
+/// Why a name was rejected as a [`JobId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
     /// The name is empty.
@@ -190,13 +190,6 @@ name_id!(
     "job id"
 );
 
-name_id!(
-    /// The stable name of one sink, from configuration. A table's snapshots
-    /// carry it so each sink recognises its own commits.
-    SinkId,
-    "sink id"
-);
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,11 +197,11 @@ mod tests {
     #[test]
     fn names_are_validated_with_position() {
         assert_eq!(JobId::new(""), Err(IdError::Empty { kind: "job id" }));
-        let err = SinkId::new("a/b").unwrap_err();
+        let err = JobId::new("a/b").unwrap_err();
         assert_eq!(
             err,
             IdError::BadChar {
-                kind: "sink id",
+                kind: "job id",
                 name: "a/b".into(),
                 found: '/',
                 at: 1

@@ -30,8 +30,7 @@
 //!   with their [`OperatorContext`] and checkpointed [`OperatorState`].
 //! - **Connectors**: [`Source`], [`Sink`], [`Writer`] and their factories;
 //!   the positions sources report ([`SourcePositions`]).
-//! - **Ids and errors**: [`JobId`], [`CheckpointId`], [`SinkId`],
-//!   [`StreamError`].
+//! - **Ids and errors**: [`JobId`], [`CheckpointId`], [`StreamError`].
 //! - [`testing`] (feature `testing`): a replayable source and a collecting
 //!   sink for tests.
 //!
@@ -54,7 +53,7 @@ pub mod testing;
 
 pub use data::{DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group};
 pub use error::{BoxError, StreamError, StreamResult, error_chain};
-pub use ids::{CheckpointId, IdError, JobId, SinkId, TaskId};
+pub use ids::{CheckpointId, IdError, JobId, TaskId};
 pub use job::{JobBuilder, JobGraph, KeyedStream, Stream};
 pub use operator::{
     JobPositions, Operator, OperatorContext, OperatorFactory, OperatorState, Output, Sink,

@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use arrow_array::RecordBatch;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 
-use tinyflow_api::{JobBuilder, JobGraph, JobId};
+use tinyflow_api::{JobBuilder, JobGraph, JobId, OperatorContext};
 use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
@@ -26,7 +25,7 @@ use tinyflow_connectors_kafka::{
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
 use crate::jobfile::{BytesColumn, CatalogSection, JobFile, RestartSection, SourceSection};
-use crate::transform::{TRANSFORMS_NODE, Transforms};
+use crate::transform::{TRANSFORMS_NODE, TransformOperator, Transforms};
 use crate::{JobFileError, parse_duration};
 
 /// The source's node name, which keys its positions.
@@ -860,8 +859,8 @@ impl JobFile {
             stream
         } else {
             let transforms = Arc::new(transforms);
-            stream.try_map(TRANSFORMS_NODE, move |batches: Vec<RecordBatch>| {
-                transforms.apply_all(batches)
+            stream.transform(TRANSFORMS_NODE, move |ctx: &OperatorContext| {
+                Ok(TransformOperator::new(ctx, Arc::clone(&transforms)))
             })
         };
         sink.attach(stream, "iceberg", sink_parallelism);

@@ -14,7 +14,7 @@ use arrow_cast::cast;
 use arrow_ord::cmp;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use arrow_select::filter::filter_record_batch;
-use tinyflow_api::{StreamError, StreamResult};
+use tinyflow_api::{Operator, OperatorContext, Output, StreamError, StreamResult};
 
 use crate::JobFileError;
 use crate::jobfile::TransformSection;
@@ -601,21 +601,43 @@ fn apply_step(step: &Transform, batch: &RecordBatch) -> Result<RecordBatch, Stri
     }
 }
 
-impl Transforms {
-    /// The transforms applied to every batch of one input batch of the
-    /// job's `transforms` node; batches left empty are dropped.
-    pub(crate) fn apply_all(&self, batches: Vec<RecordBatch>) -> StreamResult<Vec<RecordBatch>> {
+/// The transforms as the job's `transforms` operator on record batches, one
+/// per subtask; errors name the subtask (`transforms[0]`).
+pub(crate) struct TransformOperator {
+    name: String,
+    transforms: Arc<Transforms>,
+}
+
+impl TransformOperator {
+    pub(crate) fn new(ctx: &OperatorContext, transforms: Arc<Transforms>) -> Self {
+        TransformOperator {
+            name: format!("{}[{}]", ctx.name, ctx.subtask),
+            transforms,
+        }
+    }
+}
+
+impl Operator<RecordBatch, RecordBatch> for TransformOperator {
+    fn process(
+        &mut self,
+        batches: Vec<RecordBatch>,
+        out: &mut Output<'_, RecordBatch>,
+    ) -> StreamResult<()> {
         let mut kept = Vec::with_capacity(batches.len());
         for b in &batches {
-            let t = self.apply(b).map_err(|message| StreamError::User {
-                operator: TRANSFORMS_NODE.to_owned(),
-                message,
-            })?;
+            let t = self
+                .transforms
+                .apply(b)
+                .map_err(|message| StreamError::User {
+                    operator: self.name.clone(),
+                    message,
+                })?;
             if t.num_rows() > 0 {
                 kept.push(t);
             }
         }
-        Ok(kept)
+        out.emit(kept);
+        Ok(())
     }
 }
 

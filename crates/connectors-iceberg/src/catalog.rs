@@ -31,7 +31,7 @@ use crate::fault::{CommitStep, Fault, FaultHook};
 use crate::local_storage::SyncedLocalStorageFactory;
 
 /// An iceberg client error as a [`StreamError`], retryable when iceberg
-/// says so; `also_retryable` adds kinds the caller knows a restart mends.
+/// says so.
 pub(crate) fn external(
     operator: &str,
     action: impl Into<String>,
@@ -201,7 +201,7 @@ async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
             "iceberg".to_owned(),
             "iceberg",
             format!("opening the {}", config.describe()),
-            e.to_string(),
+            e,
             true,
         )
     })

@@ -713,7 +713,7 @@ impl Sink<DataFileMeta> for Committer {
                 self.table.label(),
                 "iceberg",
                 format!("syncing checkpoint {id}'s data files to disk"),
-                e.to_string(),
+                e,
                 true,
             )
         })?;

@@ -698,8 +698,19 @@ impl IcebergSinkConfig {
     /// Checks every setting; the error names the key.
     pub fn validate(&self) -> StreamResult<()> {
         let bad = |key: &'static str, message: String| Err(StreamError::Config { key, message });
-        if let Err(e) = tinyflow_api::SinkId::new(self.sink_id.clone()) {
-            return bad("sink.sink_id", e.to_string());
+        if self.sink_id.is_empty()
+            || !self
+                .sink_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return bad(
+                "sink.sink_id",
+                format!(
+                    "{:?}: expected a non-empty name of letters, digits, `-`, `_` or `.`",
+                    self.sink_id
+                ),
+            );
         }
         if self.table.is_empty() {
             return bad("sink.table", "must not be empty".to_owned());
