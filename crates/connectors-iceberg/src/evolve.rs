@@ -272,15 +272,7 @@ fn widened_type(ty: &Type, widen: &Widen, path: &str, changed: &mut Vec<String>)
         ))),
         Type::List(l) => {
             let e = &l.element_field;
-            let inner = match e.field_type.as_ref() {
-                Type::Struct(s) => Type::Struct(StructType::new(widened(
-                    s.fields(),
-                    widen,
-                    changed,
-                    Some(path),
-                ))),
-                t => widened_type(t, widen, &format!("{path}.element"), changed),
-            };
+            let inner = widened_child(&e.field_type, widen, path, "element", changed);
             Type::List(ListType::new(Arc::new(NestedField {
                 field_type: Box::new(inner),
                 ..(**e).clone()
@@ -288,15 +280,7 @@ fn widened_type(ty: &Type, widen: &Widen, path: &str, changed: &mut Vec<String>)
         }
         Type::Map(m) => {
             let v = &m.value_field;
-            let inner = match v.field_type.as_ref() {
-                Type::Struct(s) => Type::Struct(StructType::new(widened(
-                    s.fields(),
-                    widen,
-                    changed,
-                    Some(path),
-                ))),
-                t => widened_type(t, widen, &format!("{path}.value"), changed),
-            };
+            let inner = widened_child(&v.field_type, widen, path, "value", changed);
             Type::Map(MapType::new(
                 Arc::clone(&m.key_field),
                 Arc::new(NestedField {
@@ -305,6 +289,21 @@ fn widened_type(ty: &Type, widen: &Widen, path: &str, changed: &mut Vec<String>)
                 }),
             ))
         }
+    }
+}
+
+/// The element or value type of the list or map at `path`: a struct's
+/// fields are named under `path` itself, any other type as `path.<role>`.
+fn widened_child(
+    ty: &Type,
+    widen: &Widen,
+    path: &str,
+    role: &str,
+    changed: &mut Vec<String>,
+) -> Type {
+    match ty {
+        Type::Struct(_) => widened_type(ty, widen, path, changed),
+        other => widened_type(other, widen, &format!("{path}.{role}"), changed),
     }
 }
 
