@@ -53,6 +53,21 @@ pub(crate) struct Deliveries {
     last_error: Mutex<Option<String>>,
 }
 
+impl Deliveries {
+    /// How many deliveries failed so far.
+    pub(crate) fn failed(&self) -> u64 {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// The reason of the last failed delivery.
+    pub(crate) fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
 impl ClientContext for Deliveries {}
 
 impl ProducerContext for Deliveries {
@@ -517,15 +532,9 @@ impl DeadLetter {
             self.in_transaction = false;
             self.sent = 0;
         }
-        let failed = self.producer.context().failed.load(Ordering::SeqCst);
+        let failed = self.producer.context().failed();
         if failed > 0 {
-            let last = self
-                .producer
-                .context()
-                .last_error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
+            let last = self.producer.context().last_error();
             return Err(external(
                 name,
                 format!("delivering dead letters to topic {:?}", self.topic),

@@ -5,41 +5,21 @@
 //! It is not a sink: nothing here takes part in checkpoints. Records are
 //! sent in the background; [`RecordProducer::send`] waits only while the
 //! client's queue is full, and [`RecordProducer::flush`] says how many
-//! records the cluster refused.
+//! records the cluster refused. The delivery reports and the wait for room
+//! are the dead-letter producer's (`dead_letter::Deliveries`,
+//! `send_with_room`).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::error::KafkaError;
-use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
-use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::{ClientContext, Message};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use tinyflow_api::{StreamError, StreamResult};
 
-/// Counts the deliveries that failed.
-struct Deliveries {
-    failed: Arc<AtomicU64>,
-}
-
-impl ClientContext for Deliveries {}
-
-impl ProducerContext for Deliveries {
-    type DeliveryOpaque = ();
-
-    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
-        if let Err((e, m)) = result {
-            self.failed.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(error = %e, topic = m.topic(), partition = m.partition(), "a record was not delivered");
-        }
-    }
-}
+use crate::dead_letter::{Deliveries, send_with_room};
 
 /// An idempotent producer to one cluster.
 pub struct RecordProducer {
-    producer: ThreadedProducer<Deliveries>,
-    failed: Arc<AtomicU64>,
+    producer: BaseProducer<Deliveries>,
     sent: u64,
 }
 
@@ -57,52 +37,44 @@ impl RecordProducer {
     /// A producer to `bootstrap` (`host:port,...`), batching for up to
     /// `linger`.
     pub fn new(bootstrap: &str, linger: Duration) -> StreamResult<Self> {
-        let failed_count = Arc::new(AtomicU64::new(0));
         let producer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap)
             .set("linger.ms", linger.as_millis().to_string())
             .set("enable.idempotence", "true")
-            .create_with_context(Deliveries {
-                failed: Arc::clone(&failed_count),
-            })
+            .create_with_context::<_, BaseProducer<Deliveries>>(Deliveries::default())
             .map_err(|e| failed(format!("creating a producer to {bootstrap}"), e))?;
-        Ok(RecordProducer {
-            producer,
-            failed: failed_count,
-            sent: 0,
-        })
+        Ok(RecordProducer { producer, sent: 0 })
     }
 
     /// Queues one record; blocks the thread while the client's queue is
     /// full.
     pub fn send(&mut self, topic: &str, key: &[u8], payload: &[u8]) -> StreamResult<()> {
-        let mut record = BaseRecord::to(topic).key(key).payload(payload);
-        loop {
-            match self.producer.send(record) {
-                Ok(()) => {
-                    self.sent += 1;
-                    return Ok(());
-                }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                    record = r;
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err((e, _)) => {
-                    return Err(failed(
-                        format!("producing record {} to {topic}", self.sent),
-                        e,
-                    ));
-                }
-            }
-        }
+        let record = BaseRecord::to(topic).key(key).payload(payload);
+        send_with_room(&self.producer, record)
+            .map_err(|e| failed(format!("producing record {} to {topic}", self.sent), e))?;
+        self.sent += 1;
+        // Serve the delivery reports that are in.
+        self.producer.poll(Duration::ZERO);
+        Ok(())
     }
 
     /// Waits up to `timeout` for every queued record to be delivered, and
-    /// returns how many of all sent the cluster refused.
+    /// returns how many of all sent the cluster refused (logging the last
+    /// reason).
     pub fn flush(&self, timeout: Duration) -> StreamResult<u64> {
         self.producer
             .flush(timeout)
             .map_err(|e| failed("flushing the producer".to_owned(), e))?;
-        Ok(self.failed.load(Ordering::Relaxed))
+        let deliveries = self.producer.context();
+        let refused = deliveries.failed();
+        if refused > 0 {
+            tracing::error!(
+                refused,
+                sent = self.sent,
+                last_error = deliveries.last_error().unwrap_or_default(),
+                "records were not delivered"
+            );
+        }
+        Ok(refused)
     }
 }
