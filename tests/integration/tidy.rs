@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::LazyLock;
 
 /// The workspace's product crates and the tinyflow crates each may depend
 /// on (normal and build dependencies; dev-dependencies, and the `tests` and
@@ -61,7 +62,13 @@ struct Package {
     dir: PathBuf,
 }
 
-fn workspace() -> BTreeMap<String, Package> {
+/// The workspace's packages, read once for all the rules.
+fn workspace() -> &'static BTreeMap<String, Package> {
+    static PACKAGES: LazyLock<BTreeMap<String, Package>> = LazyLock::new(read_workspace);
+    &PACKAGES
+}
+
+fn read_workspace() -> BTreeMap<String, Package> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let out = Command::new(cargo)
         .args([

@@ -404,10 +404,9 @@ impl<T: Data> Stream<T> {
         name: &str,
         f: impl Fn(Vec<T>) -> StreamResult<Vec<U>> + Clone + Send + Sync + 'static,
     ) -> Stream<U> {
-        self.then(
-            name,
-            FnFactory(move || Stateless::<T, U, _>::new(f.clone())),
-        )
+        self.then(name, move |_: &OperatorContext| {
+            Ok(Stateless::<T, U, _>::new(f.clone()))
+        })
     }
 
     /// Adds a stateless operator that turns each batch into another.
@@ -572,17 +571,6 @@ impl<K: Key, T: Data> Partitioner for HashPartitioner<K, T> {
             .filter(|(_, v)| !v.is_empty())
             .map(|(i, v)| (i, AnyBatch::new(v)))
             .collect())
-    }
-}
-
-/// An operator factory from a closure that ignores the context.
-pub(crate) struct FnFactory<F>(pub(crate) F);
-
-impl<In: Data, Out: Data, O: Operator<In, Out> + 'static, F: Fn() -> O + Send + Sync>
-    OperatorFactory<In, Out> for FnFactory<F>
-{
-    fn create(&self, _ctx: &OperatorContext) -> StreamResult<Box<dyn Operator<In, Out>>> {
-        Ok(Box::new((self.0)()))
     }
 }
 

@@ -173,17 +173,16 @@ impl<T: Data> Stream<T> {
         let timestamp: TsFn<T> = Arc::new(timestamp);
         let bound = millis(max_out_of_orderness);
         let name_owned = name.to_owned();
-        self.then(
-            name,
-            crate::job::FnFactory(move || WatermarkGenerator {
+        self.then(name, move |_: &OperatorContext| {
+            Ok(WatermarkGenerator {
                 name: name_owned.clone(),
                 timestamp: Arc::clone(&timestamp),
                 bound,
                 max_seen: i64::MIN,
                 emitted: i64::MIN,
                 _t: PhantomData,
-            }),
-        )
+            })
+        })
     }
 }
 
