@@ -5,7 +5,7 @@
 //!   all tests (unit, integration, property, doc; benches run once in
 //!   test mode, so they are compiled and exercised) with a real Kafka broker
 //!   started for them and stopped after, pyiceberg installed for them, docs
-//!   with warnings denied.
+//!   with warnings denied, and the example Kubernetes manifests.
 //! - `demo`: the README's demo (`tinyflow demo`: Kafka to Iceberg, no setup).
 //! - `kafka start|stop|status`: a real Apache Kafka broker on loopback for
 //!   integration tests (see `kafka.rs`).
@@ -20,6 +20,8 @@
 //!   `keycloak.rs`).
 //! - `py-setup`: pyiceberg in `target/pyiceberg-venv`, the independent
 //!   reader of the Iceberg tests (see `python.rs`).
+//! - `k8s-validate [--tinyflow PATH]`: the manifests in `deploy/kubernetes`
+//!   against one Kubernetes version's schemas, offline (see `kubernetes.rs`).
 //!
 //! Each step prints what it runs and how long it took; the first failure
 //! stops the run with the step named.
@@ -39,6 +41,7 @@ use anyhow::{Context, Result, bail};
 mod java;
 mod kafka;
 mod keycloak;
+mod kubernetes;
 mod postgres;
 mod python;
 mod rest;
@@ -54,13 +57,14 @@ fn main() -> Result<()> {
         Some("s3") => java::main(&s3::SPEC, &args[1..]),
         Some("keycloak") => java::main(&keycloak::SPEC, &args[1..]),
         Some("py-setup") => python::setup().map(|p| println!("{}", p.display())),
+        Some("k8s-validate") => kubernetes::main(&args[1..]),
         Some("demo") => run(
             "demo",
             cargo(&["run", "-p", "tinyflow-cli", "--", "demo"]).args(&args[1..]),
         ),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|s3|keycloak|py-setup>"
+                "usage: cargo xtask <ci|demo|kafka|postgres|iceberg-rest|s3|keycloak|py-setup|k8s-validate>"
             );
             eprintln!("  ci    fmt check, clippy -D warnings, all tests, docs -D warnings");
             eprintln!(
@@ -82,6 +86,9 @@ fn main() -> Result<()> {
                 "  keycloak start|stop|status [--port N]: an OpenID Connect identity provider for the OAUTHBEARER tests"
             );
             eprintln!("  py-setup  install pyiceberg (the tests' independent Iceberg reader)");
+            eprintln!(
+                "  k8s-validate [--tinyflow PATH]: check deploy/kubernetes against Kubernetes' schemas, offline"
+            );
             bail!("unknown or missing command {:?}", args.first());
         }
     }
@@ -169,6 +176,8 @@ fn ci() -> Result<()> {
         "demo",
         Command::new(&tinyflow).args(["demo", "--duration", "5s", "--dir", "target/demo-ci"]),
     )?;
+    // The example Kubernetes manifests, and their job file with that binary.
+    kubernetes::validate(&python, Some(&tinyflow))?;
     run_tests(
         "doc tests",
         &mut cargo(&["test", "--workspace", "--doc", "--all-features"]),

@@ -2,8 +2,10 @@
 //! `target/pyiceberg-venv`: pyiceberg (`pyiceberg[sql-sqlite,sql-postgres,pyarrow]`),
 //! the independent reader the Iceberg tests check tables with, and
 //! confluent-kafka with its Avro (fastavro) and Protobuf serializers, the ordinary
-//! producer the Avro tests write topics with (about 40 s the first time,
-//! nothing when it is there already).
+//! producer the Avro tests write topics with, and kubernetes-validate, which
+//! checks the example Kubernetes manifests against the schemas it carries
+//! (`cargo xtask k8s-validate`); about 40 s the first time, nothing when it
+//! is there already.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,10 +14,12 @@ use anyhow::{Context, Result, bail};
 
 /// The pinned packages: pyiceberg (0.12 reads everything iceberg-rust
 /// 0.10 writes) and Confluent's Python client with its schema-registry
-/// serializers.
+/// serializers; kubernetes-validate with the schemas of Kubernetes 1.25 to
+/// 1.37.
 const PACKAGES: &[&str] = &[
     "pyiceberg[sql-sqlite,sql-postgres,pyarrow]==0.12.0",
     "confluent-kafka[avro,protobuf,schemaregistry]==2.16.2",
+    "kubernetes-validate==1.37.0",
 ];
 
 /// Where the environment lives: under the shared target dir, so a clean
@@ -35,7 +39,7 @@ pub(crate) fn setup() -> Result<PathBuf> {
         && Command::new(&python)
             .args([
                 "-c",
-                "import pyiceberg, pyarrow, sqlalchemy, psycopg2, fastavro, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.protobuf",
+                "import pyiceberg, pyarrow, sqlalchemy, psycopg2, fastavro, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.protobuf, kubernetes_validate",
             ])
             .status()
             .is_ok_and(|s| s.success());
