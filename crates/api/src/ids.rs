@@ -190,6 +190,88 @@ name_id!(
     "job id"
 );
 
+/// One worker of a job spread over several processes: worker `index` of
+/// `count`. Every worker runs the whole job graph over its share of the
+/// source's partitions and commits to the shared table with a sink id of
+/// its own. A job in one process is worker `0/1`.
+///
+/// ```
+/// use tinyflow_api::Worker;
+/// let w: Worker = "2/3".parse().unwrap();
+/// assert_eq!((w.index(), w.count()), (2, 3));
+/// assert_eq!(w.to_string(), "2/3");
+/// assert!("3/3".parse::<Worker>().is_err());
+/// assert_eq!(Worker::SINGLE, Worker::new(0, 1).unwrap());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Worker {
+    index: u32,
+    count: u32,
+}
+
+impl Worker {
+    /// The one worker of a job that runs in one process.
+    pub const SINGLE: Worker = Worker { index: 0, count: 1 };
+
+    /// Most workers a job may have.
+    pub const MAX_COUNT: u32 = 1024;
+
+    /// Worker `index` of `count`: `count` in `1..=1024`, `index < count`.
+    pub fn new(index: u32, count: u32) -> Result<Worker, String> {
+        if count == 0 || count > Self::MAX_COUNT {
+            return Err(format!(
+                "{count} workers: expected 1 to {}",
+                Self::MAX_COUNT
+            ));
+        }
+        if index >= count {
+            return Err(format!(
+                "worker {index} of {count}: the index counts from 0, so it must be below {count}"
+            ));
+        }
+        Ok(Worker { index, count })
+    }
+
+    /// Its index, from 0.
+    pub fn index(self) -> u32 {
+        self.index
+    }
+
+    /// How many workers the job has.
+    pub fn count(self) -> u32 {
+        self.count
+    }
+
+    /// Whether the job runs in this one process.
+    pub fn is_single(self) -> bool {
+        self.count == 1
+    }
+}
+
+impl fmt::Display for Worker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+impl std::str::FromStr for Worker {
+    type Err = String;
+
+    /// `I/N`, such as `0/3`.
+    fn from_str(s: &str) -> Result<Worker, String> {
+        let (i, n) = s
+            .trim()
+            .split_once('/')
+            .ok_or_else(|| format!("`{s}`: expected I/N, such as 0/3 (worker 0 of 3)"))?;
+        let number = |x: &str| {
+            x.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("`{s}`: expected I/N with whole numbers, such as 0/3"))
+        };
+        Worker::new(number(i)?, number(n)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

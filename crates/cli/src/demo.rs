@@ -146,6 +146,7 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
             linger: None,
         },
         columns: Default::default(),
+        placement: None,
     }
 }
 
@@ -248,7 +249,7 @@ pub(crate) async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let bootstrap = kafka.bootstrap_servers();
     let plan = job_file(&bootstrap, &dir, &args).plan()?;
     let sink = plan.sink.clone();
-    let handle = install_metrics(plan.metrics_address)?;
+    let handle = install_metrics(plan.endpoint(), &[]).await?;
     println!(
         "tinyflow demo: embedded Kafka at {bootstrap}, topic `{TOPIC}` ({} partitions); {} bids/s for {}; \
          table demo.bids in {} (sqlite catalog); checkpoints every {}",

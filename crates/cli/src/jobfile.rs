@@ -35,6 +35,10 @@ pub struct JobFile {
     /// plan made from this file (a restart plans again).
     #[serde(skip)]
     pub columns: crate::LiveColumns,
+    /// The worker this plan runs as, once its place in the table's layout
+    /// is known (`tinyflow run --worker I/N`); `None`: the job in one process.
+    #[serde(skip)]
+    pub placement: Option<crate::plan::Placement>,
 }
 
 /// `[job]`

@@ -23,8 +23,8 @@ pub use jobfile::{
     FieldSection, JobFile, JobSection, MetricsSection, PartitionSection, RestartSection,
     SinkSection, SourceSection, TransformSection,
 };
-pub use plan::{JobPlan, absolute_path};
-pub use prometheus::{counters_line, install_metrics, metric_sum};
+pub use plan::{JobPlan, Placement, absolute_path};
+pub use prometheus::{Endpoint, counters_line, install_metrics, metric_sum};
 pub use transform::Transforms;
 
 /// The exit codes of `tinyflow run` (and `inspect`, `reset`): what happened,
@@ -76,6 +76,86 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
         }
     }
     exit::FAILED
+}
+
+/// The worker `tinyflow run` runs as, and the worker count a rescale
+/// replaces: from `--worker I/N` and `--rescale-from N`, else from the
+/// environment (`env`): `TINYFLOW_WORKER=I/N`, or `TINYFLOW_WORKERS=N` with
+/// `TINYFLOW_WORKER_INDEX` (a number, or a StatefulSet pod name such as
+/// `tinyflow-2`, whose ordinal is the index), and `TINYFLOW_RESCALE_FROM`.
+/// `None`: the job in one process.
+///
+/// ```
+/// use tinyflow_cli::worker_from;
+/// let none = |_: &str| None;
+/// assert_eq!(worker_from(None, None, &none).unwrap(), None);
+/// let w = worker_from(Some("1/3"), Some(2), &none).unwrap().unwrap();
+/// assert_eq!((w.0.to_string(), w.1), ("1/3".to_owned(), Some(2)));
+/// let pod = |k: &str| match k {
+///     "TINYFLOW_WORKERS" => Some("4".to_owned()),
+///     "TINYFLOW_WORKER_INDEX" => Some("tinyflow-bids-3".to_owned()),
+///     _ => None,
+/// };
+/// assert_eq!(worker_from(None, None, &pod).unwrap().unwrap().0.to_string(), "3/4");
+/// assert!(worker_from(Some("3/3"), None, &none).unwrap_err().to_string().contains("--worker"));
+/// ```
+pub fn worker_from(
+    flag: Option<&str>,
+    rescale_from: Option<u32>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<(tinyflow_api::Worker, Option<u32>)>, JobFileError> {
+    let rescale_from = match rescale_from {
+        Some(n) => Some(n),
+        None => env("TINYFLOW_RESCALE_FROM")
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| {
+                v.trim().parse::<u32>().map_err(|_| {
+                    JobFileError::new(
+                        "TINYFLOW_RESCALE_FROM",
+                        format!("`{v}`: expected the worker count of the old layout"),
+                    )
+                })
+            })
+            .transpose()?,
+    };
+    if rescale_from == Some(0) {
+        return Err(JobFileError::new(
+            "--rescale-from",
+            "0: expected the worker count of the old layout (1 for the job in one process)",
+        ));
+    }
+    let (key, text) = if let Some(f) = flag {
+        ("--worker", f.to_owned())
+    } else if let Some(w) = env("TINYFLOW_WORKER").filter(|v| !v.trim().is_empty()) {
+        ("TINYFLOW_WORKER", w)
+    } else if let Some(n) = env("TINYFLOW_WORKERS").filter(|v| !v.trim().is_empty()) {
+        let index = env("TINYFLOW_WORKER_INDEX").ok_or_else(|| {
+            JobFileError::new(
+                "TINYFLOW_WORKER_INDEX",
+                "TINYFLOW_WORKERS is set but not TINYFLOW_WORKER_INDEX (a number, or the pod's name in a StatefulSet)",
+            )
+        })?;
+        let ordinal = index.trim().rsplit('-').next().unwrap_or("").to_owned();
+        if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(JobFileError::new(
+                "TINYFLOW_WORKER_INDEX",
+                format!("`{index}`: expected a number, or a pod name ending in -<ordinal>"),
+            ));
+        }
+        ("TINYFLOW_WORKERS", format!("{ordinal}/{}", n.trim()))
+    } else {
+        if rescale_from.is_some() {
+            return Err(JobFileError::new(
+                "--rescale-from",
+                "rescales the workers of a job: give the new layout's --worker I/N too",
+            ));
+        }
+        return Ok(None);
+    };
+    let worker = text
+        .parse::<tinyflow_api::Worker>()
+        .map_err(|m| JobFileError::new(key, m))?;
+    Ok(Some((worker, rescale_from)))
 }
 
 /// What is wrong with a job file: the key and what was expected there.

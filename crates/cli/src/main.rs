@@ -31,6 +31,19 @@ enum Command {
     Run {
         /// The job file.
         job: PathBuf,
+        /// Run as worker I of N of the job (`0/3`): the worker reads its
+        /// share of the partitions and commits with a sink id of its own.
+        /// Also from the environment: `TINYFLOW_WORKER=I/N`, or
+        /// `TINYFLOW_WORKERS=N` with `TINYFLOW_WORKER_INDEX` (a number, or a
+        /// StatefulSet pod name ending in `-<ordinal>`).
+        #[arg(long, value_name = "I/N")]
+        worker: Option<String>,
+        /// Rescale: the worker count of the layout this one replaces (also
+        /// `TINYFLOW_RESCALE_FROM`). The first worker of the new layout
+        /// retires the old one in the table (fencing its workers) and the
+        /// new workers start where the old ones committed.
+        #[arg(long, value_name = "N")]
+        rescale_from: Option<u32>,
     },
     /// Checks a job file without connecting to anything.
     Validate {
@@ -71,13 +84,15 @@ enum Command {
 
 /// Standard error with every registered secret masked
 /// ([`tinyflow_api::secrets::scrub`]): what the logs go through.
-struct ScrubbedStderr;
+struct ScrubbedStderr(std::sync::Arc<str>);
 
 impl std::io::Write for ScrubbedStderr {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         // The formatter writes each event whole.
         let text = tinyflow_api::secrets::scrub(&String::from_utf8_lossy(buf));
-        std::io::stderr().write_all(text.as_bytes())?;
+        let mut err = std::io::stderr().lock();
+        err.write_all(self.0.as_bytes())?;
+        err.write_all(text.as_bytes())?;
         Ok(buf.len())
     }
 
@@ -86,12 +101,18 @@ impl std::io::Write for ScrubbedStderr {
     }
 }
 
-fn init_tracing(default: &str) {
+/// Logs at `default` unless `TINYFLOW_LOG` says otherwise; a worker's lines
+/// start with `worker=I/N`.
+fn init_tracing(default: &str, worker: Option<tinyflow_api::Worker>) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("TINYFLOW_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let prefix: std::sync::Arc<str> = match worker {
+        Some(w) => format!("worker={w} ").into(),
+        None => "".into(),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(|| ScrubbedStderr)
+        .with_writer(move || ScrubbedStderr(std::sync::Arc::clone(&prefix)))
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
@@ -133,10 +154,23 @@ fn main() -> ExitCode {
                 );
                 Ok(())
             }
-            Command::Run { job } => {
-                init_tracing("info");
-                let plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
-                let metrics = install_metrics(plan.metrics_address)?;
+            Command::Run {
+                job,
+                worker,
+                rescale_from,
+            } => {
+                let env = |k: &str| std::env::var(k).ok();
+                let placement = tinyflow_cli::worker_from(
+                    worker.as_deref(),
+                    rescale_from,
+                    &env,
+                )?;
+                init_tracing("info", placement.map(|(w, _)| w));
+                let mut plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
+                if let Some((worker, from)) = placement {
+                    plan = plan.for_worker(worker, from).await?;
+                }
+                let metrics = install_metrics(plan.endpoint(), &plan.metric_labels()).await?;
                 let (address, linger) = (plan.metrics_address, plan.metrics_linger);
                 let stop = StopHandle::new();
                 let run = plan.run_until_stopped(stop.clone());
@@ -180,11 +214,11 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Demo(args) => {
-                init_tracing("warn");
+                init_tracing("warn", None);
                 demo::run(args).await
             }
             Command::Inspect(args) => {
-                init_tracing("warn");
+                init_tracing("warn", None);
                 inspect::run(args).await
             }
             Command::Reset {
@@ -193,7 +227,7 @@ fn main() -> ExitCode {
                 to_offsets,
                 to_timestamp,
             } => {
-                init_tracing("warn");
+                init_tracing("warn", None);
                 let plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
                 let to = match (to_offsets, to_timestamp) {
                     (Some(o), _) => ResetTo::Start(ResetStart::Offsets(

@@ -10,11 +10,12 @@ use std::time::Duration;
 use anyhow::Context;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 
-use tinyflow_api::{JobBuilder, JobGraph, JobId, OperatorContext};
+use tinyflow_api::{JobBuilder, JobGraph, JobId, OperatorContext, StreamError, Worker};
 use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
-    IcebergSinkConfig, PartitionField, TableSpec, is_s3_location,
+    IcebergSinkConfig, Layout, PartitionField, TableSpec, is_s3_location, table_layout,
+    worker_start,
 };
 #[cfg(feature = "chaos")]
 use tinyflow_connectors_iceberg::{CommitStep, Fault, FaultHook};
@@ -26,10 +27,24 @@ use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, Sto
 
 use crate::jobfile::{BytesColumn, CatalogSection, JobFile, RestartSection, SourceSection};
 use crate::transform::{TRANSFORMS_NODE, TransformOperator, Transforms};
-use crate::{JobFileError, parse_duration};
+use crate::{Endpoint, JobFileError, parse_duration};
 
 /// The source's node name, which keys its positions.
 const SOURCE_NODE: &str = "kafka";
+
+/// Where a worker of a job spread over processes stands: which worker, in
+/// which layout of the table, committing with which sink id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// This worker.
+    pub worker: Worker,
+    /// The table's layout it belongs to.
+    pub layout: Layout,
+    /// The job's base sink id (`sink.sink_id`, or the job's name).
+    pub base_sink: String,
+    /// This worker's sink id ([`Layout::sink_id`]).
+    pub sink_id: String,
+}
 
 /// A checked job file, ready to run.
 #[derive(Debug)]
@@ -56,6 +71,8 @@ pub struct JobPlan {
     pub sink: IcebergSinkConfig,
     /// The sink in the graph (one claim of the table per run).
     pub(crate) iceberg: IcebergSink,
+    /// The worker it runs as (`None`: the job in one process).
+    pub placement: Option<Placement>,
     graph: JobGraph,
     /// What it was planned from, to plan it again with another start.
     file: JobFile,
@@ -871,7 +888,15 @@ impl JobFile {
             source_schema,
             output_schema,
             runtime,
-            checkpoint_dir: absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints")),
+            checkpoint_dir: {
+                let dir = absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints"));
+                // Each worker keeps its checkpoints apart, by its sink id,
+                // so a layout's checkpoints are never restored by another.
+                match &self.placement {
+                    Some(p) => dir.join(&p.sink_id),
+                    None => dir,
+                }
+            },
             retained,
             metrics_address,
             metrics_linger,
@@ -881,6 +906,7 @@ impl JobFile {
             )?,
             sink: sc,
             iceberg: sink,
+            placement: self.placement.clone(),
             graph,
             file: self.clone(),
         })
@@ -949,6 +975,9 @@ impl JobFile {
             });
         }
         let mut kafka = source_config(s, &self.job.name)?;
+        if let Some(p) = &self.placement {
+            kafka.worker = p.worker;
+        }
         if let Some(start) = start {
             kafka.start = start;
         }
@@ -991,7 +1020,10 @@ impl JobFile {
         evolution: bool,
     ) -> Result<IcebergSinkConfig, JobFileError> {
         let k = &self.sink;
-        let sink_id = k.sink_id.clone().unwrap_or_else(|| self.job.name.clone());
+        let sink_id = match &self.placement {
+            Some(p) => p.sink_id.clone(),
+            None => k.sink_id.clone().unwrap_or_else(|| self.job.name.clone()),
+        };
         let mut sc = IcebergSinkConfig::new(catalog(&k.catalog)?, &k.namespace, &k.table, &sink_id);
         sc.schema_evolution = evolution;
         if k.create_if_missing {
@@ -1152,10 +1184,66 @@ fn checkpoint_check(runtime: &RuntimeConfig) -> Result<(), JobFileError> {
 }
 
 impl JobPlan {
-    /// The Kafka offsets the table's last commit of this sink holds the
-    /// data up to (from its `source-positions` property), if it has any.
+    /// The plan of worker `worker` of this job (`tinyflow run --worker`):
+    /// finds or makes its place in the table's layout of workers
+    /// ([`IcebergSink::join_layout`]; `rescale_from`: the worker count of
+    /// the layout a rescale replaces) and plans the job again as that
+    /// worker: its share of the partitions, its own sink id, its own
+    /// checkpoint directory (`checkpoint.dir/<sink id>`).
+    pub async fn for_worker(
+        self,
+        worker: Worker,
+        rescale_from: Option<u32>,
+    ) -> anyhow::Result<JobPlan> {
+        let joined = self.iceberg.join_layout(worker, rescale_from).await?;
+        tracing::info!(
+            worker = %worker,
+            generation = joined.layout.generation,
+            sink = %joined.sink_id,
+            switched = joined.switched,
+            "joined the table's layout of workers"
+        );
+        let mut file = self.file.clone();
+        file.placement = Some(Placement {
+            worker,
+            layout: joined.layout,
+            base_sink: self.sink.sink_id.clone(),
+            sink_id: joined.sink_id,
+        });
+        Ok(file.plan()?)
+    }
+
+    /// The endpoint `metrics.address` serves, if set: `/readyz` wants a
+    /// checkpoint completed within the checkpoint timeout plus two
+    /// intervals.
+    pub fn endpoint(&self) -> Option<Endpoint> {
+        let interval = self.runtime.checkpoint.interval.unwrap_or(Duration::ZERO);
+        self.metrics_address.map(|address| Endpoint {
+            address,
+            ready_window: self.runtime.checkpoint.timeout + interval * 2,
+        })
+    }
+
+    /// The labels every metric of this run carries: the worker's.
+    pub fn metric_labels(&self) -> Vec<(&'static str, String)> {
+        match &self.placement {
+            Some(p) => vec![("worker", p.worker.to_string())],
+            None => Vec::new(),
+        }
+    }
+
+    /// The Kafka offsets the table holds this sink's data up to: the
+    /// `source-positions` of its last commit; for a worker, over the start
+    /// of its layout (where a rescale left the partitions it owns now).
     async fn table_offsets(&self) -> anyhow::Result<Option<BTreeMap<(String, i32), i64>>> {
-        let Some(positions) = self.iceberg.committed_positions().await? else {
+        let positions = match &self.placement {
+            None => self.iceberg.committed_positions().await?,
+            Some(p) => {
+                let table = self.iceberg.load_table().await?;
+                worker_start(&table, &p.base_sink, p.layout, p.worker.index())?
+            }
+        };
+        let Some(positions) = positions else {
             return Ok(None);
         };
         let Some(kafka) = positions.get(SOURCE_NODE) else {
@@ -1168,6 +1256,27 @@ impl JobPlan {
             )
         })?;
         Ok(Some(offsets))
+    }
+
+    /// Refuses to run the job in one process on a table its workers write
+    /// (the workers would go on beside it, or their data be read again).
+    async fn check_single(&self) -> anyhow::Result<()> {
+        if self.placement.is_some() {
+            return Ok(());
+        }
+        let table = self.iceberg.load_table().await?;
+        if let Some(record) = table_layout(&table, &self.sink.sink_id)? {
+            let n = record.layout.workers;
+            return Err(StreamError::Config {
+                key: "--worker",
+                message: format!(
+                    "sink `{}` of this table is written by {n} workers (layout generation {}, set by {}); run each with --worker I/{n}, or, to run the job in one process again, --worker 0/1 --rescale-from {n}",
+                    self.sink.sink_id, record.layout.generation, record.set_by
+                ),
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// Runs the job until it ends or fails past its restart strategy.
@@ -1187,8 +1296,11 @@ impl JobPlan {
             checkpoints = %self.checkpoint_dir.display(),
             catalog = %self.sink.catalog.describe(),
             table = %table,
+            sink = %self.sink.sink_id,
+            worker = %self.placement.as_ref().map_or_else(|| "single process".to_owned(), |p| p.worker.to_string()),
             "running job"
         );
+        self.check_single().await?;
         let mut graph = None;
         if store.list().await?.is_empty() {
             // No checkpoint: where the job starts depends on the table. Claim

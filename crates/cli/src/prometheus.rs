@@ -1,37 +1,175 @@
-//! The job's metrics: installing the Prometheus recorder and endpoint, and
+//! The job's metrics: installing the Prometheus recorder, serving it with
+//! the health endpoints, and
 //! reading its text back (the demo's progress line, the end-of-job counters
 //! line).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-/// Installs the global metrics recorder; with an address, also serves
-/// `http://address/metrics`. The handle renders what a scrape would see.
-pub fn install_metrics(address: Option<SocketAddr>) -> anyhow::Result<PrometheusHandle> {
-    let builder = PrometheusBuilder::new();
-    match address {
-        Some(addr) => {
-            let (recorder, exporter) = builder
-                .with_http_listener(addr)
-                .build()
-                .map_err(|e| anyhow::anyhow!("metrics endpoint on {addr}: {e}"))?;
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder)
-                .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
-            tokio::spawn(async move {
-                if let Err(e) = exporter.await {
-                    tracing::error!(error = ?e, "the metrics endpoint stopped");
-                }
-            });
-            tracing::info!(address = %addr, "serving Prometheus metrics at /metrics");
-            Ok(handle)
-        }
-        None => builder
-            .install_recorder()
-            .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}")),
+/// The job's HTTP endpoint (`metrics.address`): `/metrics` (Prometheus
+/// text), `/healthz` (200 while the process serves) and `/readyz` (200 once
+/// a checkpoint completed within `ready_window`, else 503 with the reason).
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// Where it listens.
+    pub address: SocketAddr,
+    /// How recently a checkpoint must have completed for `/readyz`: a job
+    /// that restored, runs, and whose every task takes part in checkpoints.
+    pub ready_window: Duration,
+}
+
+/// Installs the global metrics recorder, with `labels` on every series
+/// (a worker's `worker="I/N"`); with an endpoint, also serves it. The
+/// handle renders what a scrape would see.
+pub async fn install_metrics(
+    endpoint: Option<Endpoint>,
+    labels: &[(&str, String)],
+) -> anyhow::Result<PrometheusHandle> {
+    let mut builder = PrometheusBuilder::new();
+    for (k, v) in labels {
+        builder = builder.add_global_label(*k, v.clone());
     }
+    let recorder = builder.build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder)
+        .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
+    // Without a scrape the histograms' buckets are never drained.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
+    if let Some(endpoint) = endpoint {
+        let listener = tokio::net::TcpListener::bind(endpoint.address)
+            .await
+            .map_err(|e| anyhow::anyhow!("metrics endpoint on {}: {e}", endpoint.address))?;
+        let health = Arc::new(Health {
+            handle: handle.clone(),
+            window: endpoint.ready_window,
+            seen: Mutex::new((0.0, Instant::now())),
+        });
+        tokio::spawn(serve(listener, health));
+        tracing::info!(address = %endpoint.address, "serving /metrics, /healthz and /readyz");
+    }
+    Ok(handle)
+}
+
+/// What `/readyz` decides on: the completed checkpoints counter, and when
+/// it last grew.
+struct Health {
+    handle: PrometheusHandle,
+    window: Duration,
+    /// The counter as last seen, and when it grew.
+    seen: Mutex<(f64, Instant)>,
+}
+
+impl Health {
+    /// `Ok` when ready, else why not.
+    fn ready(&self) -> Result<String, String> {
+        let completed = metric_sum(
+            &self.handle.render(),
+            "tinyflow_checkpoints_completed_total",
+            None,
+        );
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if completed > seen.0 {
+            *seen = (completed, Instant::now());
+        }
+        let since = seen.1.elapsed();
+        if completed <= 0.0 {
+            Err("starting: no checkpoint completed yet in this process".to_owned())
+        } else if since > self.window {
+            Err(format!(
+                "no checkpoint completed for {} s (the window is {} s): the job restarts, or a task is stuck",
+                since.as_secs(),
+                self.window.as_secs()
+            ))
+        } else {
+            Ok(format!(
+                "ready: {completed} checkpoints completed, the last within {} s",
+                since.as_secs()
+            ))
+        }
+    }
+}
+
+/// Serves the endpoint: one request per connection, HTTP/1.1 with
+/// `Connection: close` (what probes and scrapers need).
+async fn serve(listener: tokio::net::TcpListener, health: Arc<Health>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "the metrics endpoint could not accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let health = Arc::clone(&health);
+        tokio::spawn(async move {
+            if let Err(e) = answer(stream, &health).await {
+                tracing::debug!(error = %e, "a metrics endpoint connection failed");
+            }
+        });
+    }
+}
+
+async fn answer(mut stream: tokio::net::TcpStream, health: &Health) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut request = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    // The request line and headers; bodies are not expected.
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 16 * 1024 {
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        if n == 0 {
+            break;
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&request);
+    let mut parts = line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = path.split('?').next().unwrap_or("");
+    let (status, kind, body) = match (method, path) {
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4",
+            health.handle.render(),
+        ),
+        ("GET", "/healthz") => ("200 OK", "text/plain", "ok\n".to_owned()),
+        ("GET", "/readyz") => match health.ready() {
+            Ok(why) => ("200 OK", "text/plain", why + "\n"),
+            Err(why) => ("503 Service Unavailable", "text/plain", why + "\n"),
+        },
+        ("GET", _) => (
+            "404 Not Found",
+            "text/plain",
+            "not found: /metrics, /healthz and /readyz are served\n".to_owned(),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "only GET\n".to_owned(),
+        ),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
 }
 
 /// Sums metric `name` over its series whose labels contain `label` (all

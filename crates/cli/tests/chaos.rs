@@ -48,6 +48,8 @@ use tinyflow_tests::broker::OwnBroker;
 
 #[path = "chaos/avro.rs"]
 mod avro;
+#[path = "chaos/workers.rs"]
+mod workers;
 
 const TOPIC: &str = "chaos-bids";
 const PARTITIONS: i32 = 4;
@@ -147,8 +149,22 @@ impl Run {
         pause_ms: u64,
         envs: &[(&str, &str)],
     ) -> Run {
+        Run::start_args(job, dir, n, log, pause_ms, envs, &[])
+    }
+
+    /// As [`Run::start_env`], with these arguments after `run JOB`.
+    fn start_args(
+        job: &Path,
+        dir: &Path,
+        n: u32,
+        log: &str,
+        pause_ms: u64,
+        envs: &[(&str, &str)],
+        args: &[&str],
+    ) -> Run {
         let mut child = Command::new(tinyflow_bin())
             .args(["run", job.to_str().unwrap()])
+            .args(args)
             .envs(envs.iter().copied())
             .env("TINYFLOW_CHAOS_COMMIT_PAUSE_MS", pause_ms.to_string())
             .env("TINYFLOW_LOG", log)

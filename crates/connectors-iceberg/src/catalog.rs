@@ -52,6 +52,19 @@ pub(crate) fn external_unless(
     StreamError::external(operator, "iceberg", action, e, retryable)
 }
 
+/// `base` stretched by a random factor in 0.5..1.5, so that workers that
+/// conflicted on one commit do not retry in step.
+pub(crate) fn jitter(base: std::time::Duration) -> std::time::Duration {
+    let r = uuid::Uuid::new_v4().as_u128() as u64;
+    base.mul_f64(0.5 + (r % 1_000_000) as f64 / 1_000_000.0)
+}
+
+/// Whether `e` is a commit that lost a race with another commit (after
+/// iceberg's own retries, as many as the table's `commit.retry.*` allow).
+pub(crate) fn is_conflict(e: &iceberg::Error) -> bool {
+    e.kind() == ErrorKind::CatalogCommitConflicts
+}
+
 /// Opens the configured catalog; no answer within `timeout` counts as
 /// unreachable (retryable).
 pub async fn open_catalog(
@@ -229,6 +242,9 @@ pub(crate) struct GuardedCatalog<'a> {
     pub(crate) expect: Option<Expect>,
     #[cfg(feature = "testing")]
     pub(crate) hook: Option<&'a FaultHook>,
+    /// A precondition on every attempt's table: `Some(why)` stops the
+    /// commit with [`Observed::Moved`].
+    pub(crate) precondition: Option<&'a (dyn Fn(&Table) -> Option<String> + Send + Sync)>,
     pub(crate) observed: Mutex<Option<Observed>>,
     #[cfg(feature = "testing")]
     pub(crate) attempts: std::sync::atomic::AtomicU32,
@@ -251,6 +267,7 @@ impl<'a> GuardedCatalog<'a> {
             sink_id,
             range,
             expect: None,
+            precondition: None,
             #[cfg(feature = "testing")]
             hook: None,
             observed: Mutex::new(None),
@@ -269,6 +286,15 @@ impl<'a> GuardedCatalog<'a> {
     /// Requires every attempt's table to be `expect`'s.
     pub(crate) fn expecting(mut self, expect: Expect) -> Self {
         self.expect = Some(expect);
+        self
+    }
+
+    /// Requires every attempt's table to meet `check` (`None`: met).
+    pub(crate) fn requiring(
+        mut self,
+        check: &'a (dyn Fn(&Table) -> Option<String> + Send + Sync),
+    ) -> Self {
+        self.precondition = Some(check);
         self
     }
 
@@ -375,6 +401,9 @@ impl Catalog for GuardedCatalog<'_> {
             );
             return Err(self.stop(seen, message));
         }
+        if let Some(why) = self.precondition.and_then(|check| check(&table)) {
+            return Err(self.stop(Observed::Moved(why.clone()), why));
+        }
         let Some((low, high)) = self.range else {
             return Ok(table);
         };
@@ -430,7 +459,18 @@ impl Catalog for GuardedCatalog<'_> {
             }
             Fault::Proceed | Fault::LoseResponse => {}
         }
-        let table = self.inner.update_table(commit).await?;
+        let labels = [("sink", self.sink_id.to_owned())];
+        metrics::counter!("tinyflow_iceberg_commit_attempts_total", &labels).increment(1);
+        let table = match self.inner.update_table(commit).await {
+            Ok(t) => t,
+            Err(e) => {
+                if is_conflict(&e) {
+                    metrics::counter!("tinyflow_iceberg_commit_conflicts_total", &labels)
+                        .increment(1);
+                }
+                return Err(e);
+            }
+        };
         #[cfg(feature = "testing")]
         match boxed(self.fault(CommitStep::AfterUpdate { attempt })).await {
             Fault::Proceed | Fault::Unavailable => {}

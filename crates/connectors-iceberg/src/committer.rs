@@ -446,6 +446,16 @@ impl Committer {
                         message,
                     });
                 }
+                Ok(Tried::Seen(Observed::Moved(why))) => {
+                    // The committer's guard sets no precondition.
+                    return Err(StreamError::external(
+                        label,
+                        "iceberg",
+                        format!("committing checkpoints {low}..={high}"),
+                        format!("unexpected precondition failure: {why}"),
+                        true,
+                    ));
+                }
                 Ok(Tried::Seen(Observed::Replaced(found))) => {
                     let mismatch = Mismatch::Replaced {
                         expected: self.identity.table_uuid.clone(),
@@ -474,7 +484,8 @@ impl Committer {
                         return Err(e);
                     }
                     tracing::warn!(sink = %label, checkpoint = high, failures, retry_in_ms = backoff.as_millis() as u64, error = %e, "commit failed; retrying");
-                    tokio::time::sleep(backoff).await;
+                    // Jittered: workers that conflicted retry apart.
+                    tokio::time::sleep(crate::catalog::jitter(backoff)).await;
                     backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
             }

@@ -60,6 +60,21 @@ pub fn epoch_owner(table: &Table, sink_id: &str) -> Option<String> {
         .cloned()
 }
 
+/// The table property that marks `sink_id` retired by a rescale (which
+/// layout retired it): a retired sink never claims or commits again.
+pub fn retired_property(sink_id: &str) -> String {
+    format!("tinyflow.sink.{sink_id}.retired")
+}
+
+/// Why `sink_id` is retired in `table`, if it is.
+pub fn retired(table: &Table, sink_id: &str) -> Option<String> {
+    table
+        .metadata()
+        .properties()
+        .get(&retired_property(sink_id))
+        .cloned()
+}
+
 /// The table property holding `sink_id`'s last committed checkpoint id.
 pub(crate) fn committed_property(sink_id: &str) -> String {
     format!("tinyflow.sink.{sink_id}.checkpoint-id")
@@ -157,6 +172,9 @@ pub(crate) enum Observed {
     },
     /// The table under the name is another one: its uuid.
     Replaced(String),
+    /// The table no longer meets a precondition of the commit (why): the
+    /// caller decides again on the table as it is now.
+    Moved(String),
 }
 
 /// This run's claim of a sink: its epoch in the table with that uuid.
@@ -189,6 +207,12 @@ pub(crate) fn owned(table: &Table, sink_id: &str, expect: &Expect) -> Option<Obs
         return Some(Observed::Replaced(uuid));
     }
     let epoch = table_epoch(table, sink_id);
+    if retired(table, sink_id).is_some() {
+        return Some(Observed::Fenced {
+            epoch,
+            owner: epoch_owner(table, sink_id),
+        });
+    }
     (epoch != expect.epoch).then(|| Observed::Fenced {
         epoch,
         owner: epoch_owner(table, sink_id),

@@ -59,6 +59,7 @@ mod evolve;
 #[cfg(feature = "testing")]
 mod fault;
 pub mod identity;
+mod layout;
 mod local_storage;
 mod orphans;
 mod read;
@@ -79,7 +80,11 @@ pub use config::{
 pub use dedupe::{
     SUMMARY_CHECKPOINT_ID, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, SUMMARY_SINK_ID,
     SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, epoch_owner,
-    epoch_property, positions_property, table_epoch,
+    epoch_property, positions_property, retired, retired_property, table_epoch,
+};
+pub use layout::{
+    Joined, Layout, LayoutRecord, SUMMARY_LAYOUT_SWITCH, layout_property, layout_start,
+    layout_start_property, table_layout, worker_start,
 };
 pub use evolve::SchemaChange;
 #[cfg(feature = "testing")]
@@ -153,6 +158,21 @@ impl IcebergSink {
     /// claims first, so that no older run commits after it read.
     pub async fn claim(&self) -> StreamResult<u64> {
         Ok(self.table.claim().await?.epoch)
+    }
+
+    /// Finds or makes worker `worker`'s place in the layout of the job
+    /// whose base sink id is this sink's (see the `layout` module): joins
+    /// the table's layout when it has as many workers; switches the table
+    /// to a new layout when it has none yet or `rescale_from` names its
+    /// worker count, retiring (fencing) the old sink ids and recording where
+    /// the new workers start; else refuses with a `Config` error that names
+    /// the conflict. The worker then runs a sink with [`Joined::sink_id`].
+    pub async fn join_layout(
+        &self,
+        worker: tinyflow_api::Worker,
+        rescale_from: Option<u32>,
+    ) -> StreamResult<Joined> {
+        self.table.join_layout(worker, rescale_from).await
     }
 
     /// The highest checkpoint id this sink committed to the table.

@@ -10,6 +10,7 @@
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use iceberg::io::{FileIO, FileIOBuilder};
 use iceberg::spec::{
@@ -22,11 +23,13 @@ use iceberg::{Catalog, ErrorKind, Namespace, NamespaceIdent, TableCreation, Tabl
 use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
 
-use crate::catalog::{GuardedCatalog, external, is_local_warehouse, open_catalog};
+use crate::catalog::{
+    GuardedCatalog, external, is_conflict, is_local_warehouse, jitter, open_catalog,
+};
 use crate::config::{Column, ColumnType, IcebergSinkConfig, TableSpec};
 use crate::dedupe::{
     Claim, Expect, Observed, SUMMARY_EPOCH, SUMMARY_EPOCH_CLAIM, committed_id, committed_positions,
-    epoch_owner_property, epoch_property, table_epoch,
+    epoch_owner_property, epoch_property, retired, table_epoch,
 };
 use crate::local_storage::{PendingSyncs, SyncedLocalStorageFactory};
 
@@ -193,9 +196,19 @@ impl SinkTable {
         let label = self.label();
         let sink = &self.config.sink_id;
         // Two runs claiming at once: the loser sees the winner's epoch on
-        // its refresh and claims above it (the newest claim wins).
-        for _ in 0..10 {
+        // its refresh and claims above it (the newest claim wins). Other
+        // sinks' commits (other workers) only delay it.
+        for round in 0..10u32 {
             let table = self.load().await?;
+            if let Some(by) = retired(&table, sink) {
+                return Err(StreamError::Fenced {
+                    operator: label,
+                    message: format!(
+                        "sink {sink} of table {} was retired by a rescale ({by}): a worker of an old layout never commits again; start the workers of the current layout instead",
+                        self.table_name()
+                    ),
+                });
+            }
             let current = table_epoch(&table, sink);
             let mine = current + 1;
             let uuid = table.metadata().uuid().to_string();
@@ -240,6 +253,11 @@ impl SinkTable {
                                 "the table was replaced while this run claimed it (uuid {uuid}, now {found})"
                             ),
                         });
+                    }
+                    None if is_conflict(&e) => {
+                        let pause = jitter(Duration::from_millis(50) * 2u32.pow(round.min(6)));
+                        tracing::info!(sink = %label, pause_ms = pause.as_millis() as u64, "other commits went first; claiming again");
+                        tokio::time::sleep(pause).await;
                     }
                     _ => return Err(external(&label, "claiming the sink's epoch", e)),
                 },
@@ -492,6 +510,9 @@ async fn ensure_table(
         match catalog.create_namespace(ns, HashMap::new()).await {
             Ok(Namespace { .. }) => {}
             Err(e) if e.kind() == ErrorKind::NamespaceAlreadyExists => {}
+            // Another process created it meanwhile (the SQL catalog says so
+            // only as a failed unique constraint).
+            Err(_) if catalog.namespace_exists(ns).await.unwrap_or(false) => {}
             Err(e) => return Err(external(&label, "creating the namespace", e)),
         }
     }
@@ -506,13 +527,22 @@ async fn ensure_table(
             tracing::info!(table = %what, sink = %config.sink_id, uuid = %t.metadata().uuid(), "created table");
             Ok((t, true))
         }
-        // Another sink created it meanwhile.
-        Err(e) if e.kind() == ErrorKind::TableAlreadyExists => catalog
-            .load_table(ident)
-            .await
-            .map(|t| (t, false))
-            .map_err(|e| external(&label, format!("loading table {what}"), e)),
-        Err(e) => Err(external(&label, format!("creating table {what}"), e)),
+        Err(e) => {
+            // Another sink, or another worker of this one, created it
+            // meanwhile (the SQL catalog says so only as a failed unique
+            // constraint, not as `TableAlreadyExists`).
+            if e.kind() == ErrorKind::TableAlreadyExists
+                || catalog.table_exists(ident).await.unwrap_or(false)
+            {
+                tracing::info!(table = %what, sink = %config.sink_id, "another process created the table at the same time; using it");
+                return catalog
+                    .load_table(ident)
+                    .await
+                    .map(|t| (t, false))
+                    .map_err(|e| external(&label, format!("loading table {what}"), e));
+            }
+            Err(external(&label, format!("creating table {what}"), e))
+        }
     }
 }
 

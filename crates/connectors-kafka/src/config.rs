@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
-use tinyflow_api::{StreamError, StreamResult};
+use tinyflow_api::{StreamError, StreamResult, Worker};
 
 use crate::bad_record::{BadReason, BadRecord};
 use crate::scan::{Limits, check_structure};
@@ -294,6 +294,25 @@ pub struct KafkaSourceConfig {
     /// [`KafkaSourceConfig::DEFAULT_MAX_NESTING_DEPTH`], at most
     /// [`KafkaSourceConfig::MAX_NESTING_DEPTH`].
     pub max_nesting_depth: usize,
+    /// The worker this source runs in, when the job is spread over several
+    /// processes ([`Worker::SINGLE`] by default): the worker reads only the
+    /// partitions dealt to it (see [`KafkaSourceConfig::reads`]).
+    pub worker: Worker,
+}
+
+/// The subtask of `parallelism` that reads `partition` of `topic`: each
+/// topic's partitions are dealt round-robin from a start that depends on
+/// the topic's name alone (FNV-1a), so a partition added later moves no
+/// other partition to another subtask.
+pub(crate) fn owner(topic: &str, partition: i32, parallelism: usize) -> usize {
+    let parallelism = parallelism.max(1) as u64;
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in topic.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let start = hash % parallelism;
+    ((start + u64::from(partition.unsigned_abs())) % parallelism) as usize
 }
 
 impl KafkaSourceConfig {
@@ -320,7 +339,26 @@ impl KafkaSourceConfig {
             stall_fail: Some(Duration::from_secs(600)),
             max_record_bytes: Self::DEFAULT_MAX_RECORD_BYTES,
             max_nesting_depth: Self::DEFAULT_MAX_NESTING_DEPTH,
+            worker: Worker::SINGLE,
         }
+    }
+
+    /// Whether subtask `subtask` of `parallelism` of this source reads
+    /// `partition` of `topic`. Partitions are dealt in two rounds by the
+    /// same rule ([`owner`]): first to the workers, then each worker's share
+    /// to its subtasks, so the partitions of a worker depend only on the
+    /// number of workers and a worker's parallelism may change without
+    /// moving a partition to another worker. With one worker this is the
+    /// single deal of a job in one process.
+    pub fn reads(&self, topic: &str, partition: i32, parallelism: usize, subtask: usize) -> bool {
+        let workers = self.worker.count() as usize;
+        if owner(topic, partition, workers) != self.worker.index() as usize {
+            return false;
+        }
+        // A worker's partitions of a topic are every `workers`-th one; their
+        // rank among them deals them over the worker's subtasks.
+        let rank = partition / self.worker.count().max(1) as i32;
+        owner(topic, rank, parallelism) == subtask
     }
 
     /// 8 MiB: eight times the largest record a Kafka broker accepts by

@@ -40,7 +40,7 @@ use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
-use tinyflow_api::{OperatorContext, StreamError, StreamResult};
+use tinyflow_api::{OperatorContext, StreamError, StreamResult, Worker};
 
 use crate::client::{DropAside, Partition, external};
 use crate::config::KafkaSourceConfig;
@@ -150,9 +150,19 @@ fn transaction_error(name: &str, action: String, e: &KafkaError) -> StreamError 
     }
 }
 
-/// The `transactional.id` of a source subtask's dead-letter producer.
-fn transactional_id(group: &str, operator: &str, subtask: usize) -> String {
-    format!("tinyflow-dead-letter.{group}.{operator}.{subtask}")
+/// The `transactional.id` of a source subtask's dead-letter producer; a
+/// worker of several has its own (worker `0/1` keeps the id of a job in one
+/// process).
+fn transactional_id(group: &str, operator: &str, worker: Worker, subtask: usize) -> String {
+    if worker.is_single() {
+        format!("tinyflow-dead-letter.{group}.{operator}.{subtask}")
+    } else {
+        format!(
+            "tinyflow-dead-letter.{group}.{operator}.w{}of{}.{subtask}",
+            worker.index(),
+            worker.count()
+        )
+    }
 }
 
 /// An offset per partition of the dead-letter topic.
@@ -297,7 +307,7 @@ impl DeadLetter {
         restored: &[Vec<u8>],
     ) -> StreamResult<Self> {
         let init_timeout = config.request_timeout.max(MIN_INIT_TIMEOUT);
-        let id = transactional_id(&config.group_id, &ctx.name, ctx.subtask);
+        let id = transactional_id(&config.group_id, &ctx.name, config.worker, ctx.subtask);
         let max_bytes = max_message_bytes(config, topic, name);
         let producer = transactional_producer(config, topic, name, &id, max_bytes)?;
         // A missing topic would only show when a bad record comes, as a
@@ -360,7 +370,7 @@ impl DeadLetter {
             for j in
                 (ctx.parallelism..restored.len()).filter(|j| j % ctx.parallelism == ctx.subtask)
             {
-                let old = transactional_id(&config.group_id, &ctx.name, j);
+                let old = transactional_id(&config.group_id, &ctx.name, config.worker, j);
                 let orphan = transactional_producer(config, topic, name, &old, max_bytes)?;
                 orphan.init_transactions(init_timeout).map_err(|e| {
                     external(

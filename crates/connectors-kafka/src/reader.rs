@@ -1,6 +1,6 @@
 //! The source and its subtasks: [`KafkaSource`], and the reader each
 //! subtask runs (the [`Source`] implementation, generic over a
-//! [`Decode`]). Which partitions a subtask owns ([`owner`]), where it
+//! [`Decode`]). Which partitions a subtask owns ([`KafkaSourceConfig::reads`]), where it
 //! starts (checkpointed positions, the configured start, partitions added
 //! since), polling batches, moving positions and pausing at a bounded end,
 //! the positions in checkpoints and the consumer-group commits after them,
@@ -134,21 +134,6 @@ impl Timing {
     }
 }
 
-/// The subtask of `parallelism` that reads `partition` of `topic`: each
-/// topic's partitions are dealt round-robin from a start that depends on
-/// the topic's name alone (FNV-1a), so a partition added later moves no
-/// other partition to another subtask.
-fn owner(topic: &str, partition: i32, parallelism: usize) -> usize {
-    let parallelism = parallelism.max(1) as u64;
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in topic.bytes() {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let start = hash % parallelism;
-    ((start + u64::from(partition.unsigned_abs())) % parallelism) as usize
-}
-
 /// Connects, assigns this subtask's partitions at their restored or start
 /// positions, and returns the reader.
 pub(crate) fn open<D: Decode, V>(
@@ -170,7 +155,7 @@ pub(crate) fn open<D: Decode, V>(
     let all = config.partitions(&consumer, &name)?;
     let owned: Vec<Partition> = all
         .iter()
-        .filter(|(t, p)| owner(t, *p, ctx.parallelism) == ctx.subtask)
+        .filter(|(t, p)| config.reads(t, *p, ctx.parallelism, ctx.subtask))
         .cloned()
         .collect();
     let mut checkpointed = BTreeMap::new();
@@ -868,7 +853,7 @@ impl Discovery {
             })?;
             let new: Vec<Partition> = all
                 .iter()
-                .filter(|p| !known.contains(*p) && owner(&p.0, p.1, parallelism) == subtask)
+                .filter(|p| !known.contains(*p) && config.reads(&p.0, p.1, parallelism, subtask))
                 .cloned()
                 .collect();
             let new = if adds && !new.is_empty() {
@@ -887,6 +872,58 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+    use crate::config::owner;
+    use tinyflow_api::Worker;
+
+    #[test]
+    fn workers_share_the_partitions_and_a_worker_s_parallelism_moves_none() {
+        let topics = ["bids", "orders-v2", "a"];
+        for workers in 1..=5u32 {
+            // Each partition is read by exactly one subtask of one worker,
+            // whatever each worker's parallelism.
+            for parallelism in [1usize, 2, 3] {
+                for topic in topics {
+                    for p in 0..24 {
+                        let readers: Vec<(u32, usize)> = (0..workers)
+                            .flat_map(|w| (0..parallelism).map(move |s| (w, s)))
+                            .filter(|&(w, s)| {
+                                let mut c = KafkaSourceConfig::new("b", &[topic], "g");
+                                c.worker = Worker::new(w, workers).unwrap();
+                                c.reads(topic, p, parallelism, s)
+                            })
+                            .collect();
+                        assert_eq!(
+                            readers.len(),
+                            1,
+                            "{topic}/{p} over {workers}x{parallelism}: {readers:?}"
+                        );
+                    }
+                }
+            }
+            // A worker's share depends on the number of workers alone, and
+            // is even.
+            let share = |w: u32, parallelism: usize| -> Vec<i32> {
+                let mut c = KafkaSourceConfig::new("b", &["bids"], "g");
+                c.worker = Worker::new(w, workers).unwrap();
+                (0..12)
+                    .filter(|&p| (0..parallelism).any(|s| c.reads("bids", p, parallelism, s)))
+                    .collect()
+            };
+            let sizes: Vec<usize> = (0..workers).map(|w| share(w, 1).len()).collect();
+            let (min, max) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+            assert!(max - min <= 1, "{workers} workers: {sizes:?}");
+            for w in 0..workers {
+                assert_eq!(share(w, 1), share(w, 3), "worker {w} of {workers}");
+            }
+        }
+        // One worker deals exactly as a job in one process always did.
+        let c = KafkaSourceConfig::new("b", &["bids"], "g");
+        for p in 0..12 {
+            for s in 0..3 {
+                assert_eq!(c.reads("bids", p, 3, s), owner("bids", p, 3) == s);
+            }
+        }
+    }
 
     #[test]
     fn partitions_are_dealt_evenly_and_a_new_one_moves_no_other() {

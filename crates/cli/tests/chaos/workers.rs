@@ -1,0 +1,237 @@
+//! One job as several worker processes (`tinyflow run --worker I/N`) on the
+//! real broker, committing to one table: a worker killed and restarted
+//! again and again, a worker started a second time elsewhere (the older
+//! one is fenced inside its next commit), a rescale 3 -> 2 while the old
+//! workers still run (they are fenced, and an old worker started again is
+//! refused), a rescale 2 -> 4 after a clean stop; records are produced all
+//! the while. pyiceberg finds every record once.
+
+use super::*;
+
+/// Partitions of the workers' topic.
+const WORKER_PARTITIONS: i32 = 12;
+
+/// The chaos job with parallelism 1 per worker, its checkpoints under
+/// `checkpoints`, written to `dir/name`.
+fn workers_job(dir: &Path, name: &str, bootstrap: &str, topic: &str, checkpoints: &str) -> PathBuf {
+    let text = job_text(dir, bootstrap, topic, "")
+        .replace("parallelism = 2", "parallelism = 1")
+        .replace(
+            &format!("dir = \"{}/checkpoints\"", dir.display()),
+            &format!("dir = \"{}/{checkpoints}\"", dir.display()),
+        );
+    assert!(text.contains(checkpoints), "{text}");
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Starts the processes of the test, each with a log of its own.
+struct Spawner {
+    dir: PathBuf,
+    next: u32,
+}
+
+impl Spawner {
+    fn worker(&mut self, job: &Path, args: &[&str], envs: &[(&str, &str)]) -> Run {
+        self.next += 1;
+        Run::start_args(job, &self.dir, 100 + self.next, "info", 0, envs, args)
+    }
+
+    fn workers(&mut self, job: &Path, n: u32, extra: &[&str]) -> Vec<Run> {
+        (0..n)
+            .map(|i| {
+                let w = format!("{i}/{n}");
+                let mut args = vec!["--worker", w.as_str()];
+                args.extend_from_slice(extra);
+                self.worker(job, &args, &[])
+            })
+            .collect()
+    }
+}
+
+/// Waits until `run` logged a commit of its own.
+fn commits(run: &mut Run, what: &str) {
+    assert!(
+        run.wait_for("CHAOS commit paused after", Duration::from_secs(90)),
+        "{what}: no commit within 90 s; log: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
+}
+
+/// Waits for `run` to exit by itself with `code`; its log.
+fn exits_with(run: &mut Run, code: i32, what: &str) -> String {
+    let (got, log) = run.exit_code_within_or(
+        Duration::from_secs(90),
+        &format!("{what}: still running after 90 s"),
+    );
+    assert_eq!(got, Some(code), "{what}: exit {got:?}; log: {log}");
+    log
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record_once() {
+    let n = env_count("TINYFLOW_WORKERS_RECORDS", 200_000).max(200_000);
+    let bootstrap = tinyflow_connectors_kafka::testing::bootstrap();
+    let topic = format!(
+        "workers-bids-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    create_topic(&bootstrap, &topic, WORKER_PARTITIONS)
+        .await
+        .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = workers_job(&dir, "job.toml", &bootstrap, &topic, "checkpoints");
+    // The same job on "another machine": checkpoints of its own.
+    let elsewhere = workers_job(&dir, "elsewhere.toml", &bootstrap, &topic, "elsewhere");
+
+    // A tenth up front, the rest paced over about 40 s, while the workers
+    // are killed, fenced and rescaled.
+    let producer = {
+        let (bootstrap, topic) = (bootstrap.clone(), topic.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let paced_from = n / 10;
+            let per_second = (n - paced_from) as f64 / 40.0;
+            let records = (0..n).map(move |id| {
+                if id >= paced_from {
+                    let due = Duration::from_secs_f64((id - paced_from) as f64 / per_second);
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+                ((id % WORKER_PARTITIONS as u64) as i32, bid_json(id))
+            });
+            produce_stream(&bootstrap, &topic, &[], records)
+        })
+    };
+
+    let mut spawn = Spawner {
+        dir: dir.clone(),
+        next: 0,
+    };
+    // Three workers start at once: one of them makes the table's first
+    // layout, the others join it.
+    let mut three = spawn.workers(&job, 3, &[]);
+    for (i, w) in three.iter_mut().enumerate() {
+        commits(w, &format!("worker {i}/3"));
+    }
+
+    // Worker 1 is killed and restarted again and again; it goes on from
+    // its checkpoints.
+    let mut rng = SplitMix64::new(0x0057_0123);
+    for k in 0..4 {
+        std::thread::sleep(Duration::from_millis(200 + rng.below(1_500)));
+        three[1].assert_alive();
+        three.remove(1).kill();
+        three.insert(1, spawn.worker(&job, &["--worker", "1/3"], &[]));
+        commits(&mut three[1], &format!("worker 1/3 after kill {k}"));
+    }
+
+    // Worker 2 is started a second time, elsewhere: the newer claims its
+    // sink, and the older is fenced inside its next commit (exit 3).
+    let mut second = spawn.worker(&elsewhere, &["--worker", "2/3"], &[]);
+    assert!(
+        second.wait_for("claimed the sink", Duration::from_secs(60)),
+        "the second worker 2/3 did not claim; log: {}",
+        std::fs::read_to_string(&second.log).unwrap_or_default()
+    );
+    let log = exits_with(&mut three[2], 3, "the older worker 2/3");
+    assert!(log.contains("fenced"), "{log}");
+    three[2] = second;
+    commits(&mut three[2], "the second worker 2/3");
+
+    // Rescale 3 -> 2 while the old workers run (as in a rolling update):
+    // the first new worker retires the old layout in the table; each old
+    // worker is fenced at its next commit.
+    let mut two = spawn.workers(&job, 2, &["--rescale-from", "3"]);
+    for (i, old) in three.iter_mut().enumerate() {
+        let log = exits_with(old, 3, &format!("old worker {i}/3 after the rescale"));
+        assert!(log.contains("retired by layout generation 2"), "{log}");
+    }
+    for (i, w) in two.iter_mut().enumerate() {
+        commits(w, &format!("worker {i}/2"));
+    }
+    // An old worker started again is refused at start, naming the layout.
+    let mut late = spawn.worker(&job, &["--worker", "0/3"], &[]);
+    let log = exits_with(&mut late, 2, "an old worker 0/3 started after the rescale");
+    assert!(
+        log.contains("this worker was started as 0/3")
+            && log.contains("is 2 workers (generation 2"),
+        "{log}"
+    );
+
+    // Rescale 2 -> 4 after a clean stop, the new workers told by the
+    // environment, as a StatefulSet does.
+    for w in two {
+        w.stop();
+    }
+    let mut four: Vec<Run> = (0..4)
+        .map(|i| {
+            let pod = format!("tinyflow-{i}");
+            spawn.worker(
+                &job,
+                &[],
+                &[
+                    ("TINYFLOW_WORKERS", "4"),
+                    ("TINYFLOW_WORKER_INDEX", pod.as_str()),
+                    ("TINYFLOW_RESCALE_FROM", "2"),
+                ],
+            )
+        })
+        .collect();
+
+    let produced = producer.join().unwrap().unwrap();
+    assert_eq!(produced, n);
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
+    let table = TableReader::open(&catalog, "chaos", "bids").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let rows = committed_rows(&table).await;
+        if rows >= n {
+            break;
+        }
+        for w in &mut four {
+            w.assert_alive();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after 180 s the table holds {rows} of {n} rows"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // A little longer: a duplicate commit, if there were one, would show.
+    std::thread::sleep(Duration::from_secs(2));
+    let switched = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            let path = e.unwrap().path();
+            (path.extension()? == "log").then_some(path)
+        })
+        .filter(|p| {
+            std::fs::read_to_string(p)
+                .unwrap()
+                .contains("switched the table to a new layout")
+        })
+        .count();
+    // The first layout, 3 -> 2 and 2 -> 4: one switch each.
+    assert_eq!(switched, 3, "layout switches in the logs");
+    for w in four {
+        w.stop();
+    }
+
+    let table = read_each_once(&dir, n);
+    let props = &table["properties"];
+    let layout: serde_json::Value =
+        serde_json::from_str(props["tinyflow.layout.chaos"].as_str().unwrap()).unwrap();
+    assert_eq!(layout["generation"], 3, "{table}");
+    assert_eq!(layout["workers"], 4, "{table}");
+    for i in 0..3 {
+        let id = format!("tinyflow.sink.chaos.w{i}-of-3.g1.retired");
+        assert!(props[&id].is_string(), "{id} missing: {table}");
+    }
+}
