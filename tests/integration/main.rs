@@ -6,6 +6,10 @@
 //! - `checkpoint_flaws`: a regression test per flaw of the seed's checkpoint manager.
 //! - `checkpoint_driver`: the async driver under tokio's paused clock, exact durations,
 //!   backpressure bounds and a determinism check.
+//! - `checkpoint_object_store`: the checkpoint store on object storage against a real S3
+//!   server (`TINYFLOW_S3_ENDPOINT`, started by `cargo xtask ci`): a new store on the same
+//!   prefix restores the newest checkpoint, retention, fallback past a damaged object,
+//!   refused keys and an unreachable server.
 //! - `checkpoint_props`: property tests of the coordinator's state machine against a
 //!   reference model, checking the exactly-once invariants after every step.
 //! - `checkpoint_store`: the local-directory checkpoint store: atomicity, corruption,
@@ -48,6 +52,7 @@
 
 mod checkpoint_driver;
 mod checkpoint_flaws;
+mod checkpoint_object_store;
 mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_identity;

@@ -538,18 +538,27 @@ pub fn s3_catalog(dir: &std::path::Path) -> tinyflow_connectors_iceberg::Catalog
         name,
         uri,
         warehouse: format!("s3://tinyflow/test-{nanos}/warehouse"),
-        properties: [
-            ("s3.endpoint", s3_endpoint()),
-            ("s3.region", "us-east-1".to_owned()),
-            // A loopback server: no bucket host names.
-            ("s3.path-style-access", "true".to_owned()),
-            ("s3.access-key-id", S3_ACCESS_KEY.to_owned()),
-            ("s3.secret-access-key", S3_SECRET_KEY.to_owned()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect(),
+        properties: s3_properties(),
     }
+}
+
+/// The `s3.*` properties that reach the [`s3_endpoint`] server with the
+/// keys it accepts.
+///
+/// # Panics
+/// When `TINYFLOW_S3_ENDPOINT` is not set.
+pub fn s3_properties() -> std::collections::HashMap<String, String> {
+    [
+        ("s3.endpoint", s3_endpoint()),
+        ("s3.region", "us-east-1".to_owned()),
+        // A loopback server: no bucket host names.
+        ("s3.path-style-access", "true".to_owned()),
+        ("s3.access-key-id", S3_ACCESS_KEY.to_owned()),
+        ("s3.secret-access-key", S3_SECRET_KEY.to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// The PostgreSQL server for the SQL catalog tests, from

@@ -7,6 +7,9 @@
 //! - [`LocalDirStore`]: a [`CheckpointStore`] in a local directory, with
 //!   atomic writes, checksums, retention and fallback to the previous
 //!   checkpoint when the newest is damaged.
+//! - [`ObjectStore`]: a [`CheckpointStore`] on object storage (S3 and
+//!   compatible stores) through the [`ObjectStorage`] trait, so that a worker
+//!   on another machine finds the job's checkpoints.
 //! - The protocol between the coordinator and the tasks: control messages
 //!   ([`ToTask`], [`FromTask`]), the [`ControlChannel`] they travel on, the
 //!   tasks' [`StateHandle`]s and the [`CompletedCheckpoint`]s a
@@ -62,6 +65,7 @@ mod control;
 pub mod coordinator;
 pub mod driver;
 mod error;
+pub mod object;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -77,4 +81,5 @@ pub use driver::{
     CoordinatorDriver, CoordinatorGone, CoordinatorHandle, DriverConfig, Outcome, Restored,
 };
 pub use error::{CorruptReason, Error, LossCause, Result};
+pub use object::{ObjectStorage, ObjectStore};
 pub use store::{LOCK_FILE, LocalDirStore};

@@ -6,6 +6,7 @@
 //! Every error names the key of the file that is wrong and what was
 //! expected.
 
+pub mod checkpoint_storage;
 mod duration;
 mod evolve;
 mod jobfile;

@@ -61,6 +61,7 @@ mod fault;
 pub mod identity;
 mod layout;
 mod local_storage;
+mod object_files;
 mod orphans;
 mod read;
 mod table;
@@ -89,6 +90,7 @@ pub use layout::{
 pub use evolve::SchemaChange;
 #[cfg(feature = "testing")]
 pub use fault::{CommitStep, Fault, FaultHook};
+pub use object_files::ObjectFiles;
 pub use orphans::OrphanReport;
 pub use read::{TableReader, load_table, scan_longs, total_records};
 pub use table::iceberg_schema;

@@ -112,7 +112,7 @@ impl PendingSyncs {
 
 /// The file system path of a `file:` location or a plain path (the same
 /// reading as iceberg's local storage).
-fn local_path(location: &str) -> PathBuf {
+pub(crate) fn local_path(location: &str) -> PathBuf {
     let rest = location
         .strip_prefix("file://")
         .or_else(|| location.strip_prefix("file:"));
