@@ -17,6 +17,15 @@
 //! 5. a Python loop with confluent-kafka and pyiceberg doing the same job
 //!    as a user might script it (`benches/python/bids_loop.py`);
 //!
+//! 7. the job as `tinyflow run` processes (bounded, 1 s checkpoints): one
+//!    process of 2 subtasks, then 2 worker processes (`--worker I/2`) of 1
+//!    subtask each, committing to one table, timed from the start of the
+//!    processes to the exit of the last (start-up included, the same for
+//!    both): the cost of spreading a job over processes, with the commits,
+//!    catalog updates and commit conflicts the processes report. It runs
+//!    the `tinyflow` binary beside the bench's own (`cargo build --release
+//!    -p tinyflow-cli`), or `TINYFLOW_BIN`;
+//!
 //! then the append-to-visible latency: bids produced at a steady rate while
 //! the job runs with 1 s checkpoints, once it has read a first bid from
 //! every partition; each bid's latency is the commit time of the snapshot
@@ -75,7 +84,7 @@ struct Args {
     latency_rate: u64,
     latency_secs: u64,
     python: bool,
-    /// Run only these variants (1-6; 6 is the latency run).
+    /// Run only these variants (1-7; 6 is the latency run, 7 the processes).
     only: Vec<u64>,
     /// librdkafka settings for the job's source, `k=v,k=v`.
     source_props: String,
@@ -157,7 +166,7 @@ fn parse_args() -> Args {
 }
 
 const USAGE: &str = "usage: pipeline [--records N] [--partitions N] [--latency-rate N] \
-[--latency-secs N] [--skip-python] [--only 1..6]... [--source-props k=v,...] [--batch-size N] \
+[--latency-secs N] [--skip-python] [--only 1..7]... [--source-props k=v,...] [--batch-size N] \
 [--compression gzip|snappy|lz4|zstd] [--sasl-ssl] [--format json|avro]
 (start the broker with `cargo xtask kafka start --secured` and export the lines it prints first)";
 
@@ -529,6 +538,103 @@ async fn job(
     }
 }
 
+/// What (7) measured of one layout of processes.
+struct Processes {
+    secs: f64,
+    cpu: CpuUse,
+    /// Summed over the processes: `commits`, `commit_attempts`,
+    /// `commit_conflicts`, from each one's final counters line.
+    commits: u64,
+    attempts: u64,
+    conflicts: u64,
+}
+
+/// The `tinyflow` binary (7) runs: `TINYFLOW_BIN`, else beside this one.
+fn tinyflow_bin() -> PathBuf {
+    if let Ok(bin) = std::env::var("TINYFLOW_BIN") {
+        return PathBuf::from(bin);
+    }
+    let bin = std::env::current_exe()
+        .unwrap()
+        .with_file_name(format!("tinyflow{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "(7) runs `tinyflow`, not found at {}: `cargo build --release -p tinyflow-cli` first, or set TINYFLOW_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// (7): the bounded job with 1 s checkpoints as `workers` processes of
+/// `parallelism` subtasks each (one process without `--worker` when
+/// `workers` is 1), until every process exited.
+fn processes(
+    knobs: &Knobs,
+    topic: &BidsTopic,
+    dir: &Path,
+    workers: u32,
+    parallelism: usize,
+) -> Processes {
+    std::fs::create_dir_all(dir).unwrap();
+    let text: String = job_text(&topic.name, topic.partitions, dir, "1s", true, knobs)
+        .lines()
+        .map(|l| {
+            if l.starts_with("parallelism =") {
+                format!("parallelism = {parallelism}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    let job = dir.join("job.toml");
+    std::fs::write(&job, text).unwrap();
+    let start = Instant::now();
+    let cpu = CpuMeter::start();
+    let children: Vec<(std::process::Child, PathBuf)> = (0..workers)
+        .map(|i| {
+            let log = dir.join(format!("worker-{i}.log"));
+            let mut cmd = Command::new(tinyflow_bin());
+            cmd.arg("run").arg(&job);
+            if workers > 1 {
+                cmd.args(["--worker", &format!("{i}/{workers}")]);
+            }
+            let child = cmd
+                .env("TINYFLOW_LOG", "info")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap();
+            (child, log)
+        })
+        .collect();
+    let (mut commits, mut attempts, mut conflicts) = (0, 0, 0);
+    for (mut child, log) in children {
+        let status = child.wait().unwrap();
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(status.success(), "{}: {status}; log: {text}", log.display());
+        let line = text
+            .lines()
+            .find(|l| l.contains("final counters of this run"))
+            .unwrap_or_else(|| panic!("no final counters in {}", log.display()));
+        let count = |key: &str| -> u64 {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(key))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in {line}"))
+        };
+        commits += count("commits=");
+        attempts += count("commit_attempts=");
+        conflicts += count("commit_conflicts=");
+    }
+    Processes {
+        secs: start.elapsed().as_secs_f64(),
+        cpu: cpu.stop(),
+        commits,
+        attempts,
+        conflicts,
+    }
+}
+
 /// (5): the Python loop.
 fn python(topic: &BidsTopic, n: u64, dir: &Path) -> Option<Figure> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -730,7 +836,6 @@ fn main() {
             .with_writer(std::io::stderr)
             .init();
     }
-    let handle = tinyflow_cli::install_metrics(None).unwrap();
     // Avro bids: a schema registry of their schema for the job (the tests'
     // Confluent-compatible one; stopped when the bench ends).
     let registry = a.avro.then(tinyflow_tests::registry::SchemaRegistry::start);
@@ -769,6 +874,9 @@ fn main() {
         .build()
         .unwrap();
     let _guard = rt.enter();
+    let handle = rt
+        .block_on(tinyflow_cli::install_metrics(None, &[]))
+        .unwrap();
     println!(
         "pipeline bench: {n} Nexmark bids as {} in {} ({} partitions), read over {}",
         if a.avro {
@@ -853,6 +961,12 @@ fn main() {
             None => decode_and_write(n, tmp.path()),
         }
     });
+    let procs = on(7).then(|| {
+        eprintln!("(7) tinyflow run: 1 process of 2 subtasks, then 2 workers of 1 ...");
+        let one = processes(props, &topic, &tmp.path().join("procs-1x2"), 1, 2);
+        let two = processes(props, &topic, &tmp.path().join("procs-2x1"), 2, 1);
+        (one, two)
+    });
     // The Python loop and the latency run produce and read JSON bids.
     let py = if a.python && !a.sasl_ssl && !a.avro && on(5) {
         eprintln!("(5) Python loop ...");
@@ -923,6 +1037,26 @@ fn main() {
         if let Some(f) = f {
             show(label, f);
         }
+    }
+    if let Some((one, two)) = &procs {
+        for (label, p) in [
+            ("(7a) tinyflow run, 1 process x 2 subtasks", one),
+            ("(7b) tinyflow run, 2 workers x 1 subtask", two),
+        ] {
+            println!(
+                "{label:<44} {:>7.3} M events/s  ({:>6.2} s from start to exit, {:.2} cores busy); {} commits, {} catalog updates, {} commit conflicts",
+                n as f64 / p.secs / 1e6,
+                p.secs,
+                p.cpu.busy_cores,
+                p.commits,
+                p.attempts,
+                p.conflicts
+            );
+        }
+        println!(
+            "  (7b)/(7a) = {:.2}  (the cost of two processes instead of one)",
+            one.secs / two.secs
+        );
     }
     println!("ratios:");
     if let Some(j) = &job1s {

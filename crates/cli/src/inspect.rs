@@ -163,7 +163,11 @@ async fn inspect_job(job: &std::path::Path) -> anyhow::Result<()> {
         .resolve_schema()
         .await?
         .plan()?;
-    match tinyflow_cli::jobstate::inspect(&plan).await? {
+    let agreement = match tinyflow_cli::jobstate::inspect_workers(&plan).await? {
+        Some(a) => a,
+        None => tinyflow_cli::jobstate::inspect(&plan).await?,
+    };
+    match agreement {
         tinyflow_cli::jobstate::Agreement::Agree => Ok(()),
         tinyflow_cli::jobstate::Agreement::Disagree => Err(anyhow::Error::new(
             tinyflow_api::StreamError::StateMismatch {

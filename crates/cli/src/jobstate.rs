@@ -20,12 +20,13 @@ use serde::{Deserialize, Serialize};
 use tinyflow_checkpoint::LocalDirStore;
 use tinyflow_connectors_iceberg::identity::{CommitterView, positions_text};
 use tinyflow_connectors_iceberg::{
-    committed_id, committed_positions, epoch_owner, load_table, table_epoch,
+    committed_id, committed_positions, epoch_owner, layout_start, load_table, table_epoch,
+    table_layout,
 };
 use tinyflow_connectors_kafka::{StartPosition, decode_positions};
 use tinyflow_runtime::state::{NodeState, TaskSnapshot};
 
-use crate::JobPlan;
+use crate::{JobPlan, Placement};
 
 /// The reset file's name in the checkpoint directory.
 pub const RESET_FILE: &str = "reset.json";
@@ -143,6 +144,53 @@ pub enum Agreement {
     Agree,
     /// A run would refuse the checkpoint.
     Disagree,
+}
+
+/// `tinyflow inspect JOB.toml` of a job spread over workers: the table's
+/// layout, then each worker's state beside the table as [`inspect`] shows
+/// it. `None` when the table records no layout of the job's sink (the job
+/// runs in one process).
+pub async fn inspect_workers(plan: &JobPlan) -> anyhow::Result<Option<Agreement>> {
+    let sink = &plan.sink;
+    let Ok(table) = load_table(&sink.catalog, &sink.namespace.join("."), &sink.table).await else {
+        return Ok(None);
+    };
+    let Some(record) = table_layout(&table, &sink.sink_id)? else {
+        return Ok(None);
+    };
+    let layout = record.layout;
+    println!(
+        "job {}: {} workers (layout generation {}, set by {}; it replaced {})",
+        plan.job_id,
+        layout.workers,
+        layout.generation,
+        record.set_by,
+        record.previous.map_or_else(
+            || "the job in one process, or nothing".to_owned(),
+            |p| format!("{} workers of generation {}", p.workers, p.generation)
+        )
+    );
+    match layout_start(&table, &sink.sink_id)? {
+        Some(p) => println!("  the layout's start positions: {}", positions_text(&p)),
+        None => println!("  the layout's start positions: none (source.start)"),
+    }
+    let mut agreement = Agreement::Agree;
+    for index in 0..layout.workers {
+        let worker = tinyflow_api::Worker::new(index, layout.workers)
+            .map_err(|m| anyhow::anyhow!("the table's layout: {m}"))?;
+        println!();
+        println!("worker {worker}:");
+        let placement = Placement {
+            worker,
+            layout,
+            base_sink: sink.sink_id.clone(),
+            sink_id: layout.sink_id(&sink.sink_id, index),
+        };
+        if inspect(&plan.as_worker(placement)?).await? == Agreement::Disagree {
+            agreement = Agreement::Disagree;
+        }
+    }
+    Ok(Some(agreement))
 }
 
 /// `tinyflow inspect JOB.toml`.

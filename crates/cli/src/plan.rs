@@ -1203,14 +1203,21 @@ impl JobPlan {
             switched = joined.switched,
             "joined the table's layout of workers"
         );
-        let mut file = self.file.clone();
-        file.placement = Some(Placement {
+        let placement = Placement {
             worker,
             layout: joined.layout,
             base_sink: self.sink.sink_id.clone(),
             sink_id: joined.sink_id,
-        });
-        Ok(file.plan()?)
+        };
+        Ok(self.as_worker(placement)?)
+    }
+
+    /// This job planned as the worker `placement` says, without asking the
+    /// table (for `tinyflow inspect`).
+    pub fn as_worker(&self, placement: Placement) -> Result<JobPlan, JobFileError> {
+        let mut file = self.file.clone();
+        file.placement = Some(placement);
+        file.plan()
     }
 
     /// The endpoint `metrics.address` serves, if set: `/readyz` wants a
@@ -1537,7 +1544,8 @@ mod tests {
         assert_eq!(
             crate::counters_line(text),
             "records_read=1000 bad_records=6 (invalid_json=5 schema_mismatch=1) rows_written=994 \
-             rows_skipped_by_sink=0 checkpoints_completed=7 checkpoints_failed=1 commits=7"
+             rows_skipped_by_sink=0 checkpoints_completed=7 checkpoints_failed=1 commits=7 \
+             commit_attempts=0 commit_conflicts=0"
         );
     }
 

@@ -195,7 +195,8 @@ pub fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
 
 /// The key counters of a job in one line, from Prometheus text (what
 /// `/metrics` serves): records read, bad records by reason, rows written,
-/// checkpoints, commits. For the log when a job ends.
+/// checkpoints, commits, and the catalog updates commits tried and lost to
+/// other commits (other workers). For the log when a job ends.
 ///
 /// ```
 /// let text = "tinyflow_kafka_records_read_total{subtask=\"0\"} 10\n\
@@ -203,7 +204,7 @@ pub fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
 /// assert_eq!(
 ///     tinyflow_cli::counters_line(text),
 ///     "records_read=10 bad_records=2 (invalid_json=2) rows_written=0 rows_skipped_by_sink=0 \
-///      checkpoints_completed=0 checkpoints_failed=0 commits=0"
+///      checkpoints_completed=0 checkpoints_failed=0 commits=0 commit_attempts=0 commit_conflicts=0"
 /// );
 /// ```
 pub fn counters_line(text: &str) -> String {
@@ -238,12 +239,14 @@ pub fn counters_line(text: &str) -> String {
         )
     };
     format!(
-        "records_read={} bad_records={bad} rows_written={} rows_skipped_by_sink={} checkpoints_completed={} checkpoints_failed={} commits={}",
+        "records_read={} bad_records={bad} rows_written={} rows_skipped_by_sink={} checkpoints_completed={} checkpoints_failed={} commits={} commit_attempts={} commit_conflicts={}",
         sum("tinyflow_kafka_records_read_total"),
         sum("tinyflow_iceberg_rows_written_total"),
         sum("tinyflow_iceberg_bad_records_total"),
         sum("tinyflow_checkpoints_completed_total"),
         sum("tinyflow_checkpoints_failed_total"),
         sum("tinyflow_iceberg_commits_total"),
+        sum("tinyflow_iceberg_commit_attempts_total"),
+        sum("tinyflow_iceberg_commit_conflicts_total"),
     )
 }

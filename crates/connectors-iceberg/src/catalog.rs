@@ -220,6 +220,10 @@ async fn open(config: &CatalogConfig) -> StreamResult<Arc<dyn Catalog>> {
     })
 }
 
+/// A check of the table a commit attempt is built on: `Some(why)` when the
+/// attempt must not go on.
+pub(crate) type Precondition<'a> = dyn Fn(&Table) -> Option<String> + Send + Sync + 'a;
+
 /// A catalog that runs the "already committed?" check, and the check that
 /// the table is still the one this run owns (uuid and epoch), on the table
 /// each commit attempt is built on.
@@ -244,7 +248,7 @@ pub(crate) struct GuardedCatalog<'a> {
     pub(crate) hook: Option<&'a FaultHook>,
     /// A precondition on every attempt's table: `Some(why)` stops the
     /// commit with [`Observed::Moved`].
-    pub(crate) precondition: Option<&'a (dyn Fn(&Table) -> Option<String> + Send + Sync)>,
+    pub(crate) precondition: Option<&'a Precondition<'a>>,
     pub(crate) observed: Mutex<Option<Observed>>,
     #[cfg(feature = "testing")]
     pub(crate) attempts: std::sync::atomic::AtomicU32,
@@ -290,10 +294,7 @@ impl<'a> GuardedCatalog<'a> {
     }
 
     /// Requires every attempt's table to meet `check` (`None`: met).
-    pub(crate) fn requiring(
-        mut self,
-        check: &'a (dyn Fn(&Table) -> Option<String> + Send + Sync),
-    ) -> Self {
+    pub(crate) fn requiring(mut self, check: &'a Precondition<'a>) -> Self {
         self.precondition = Some(check);
         self
     }

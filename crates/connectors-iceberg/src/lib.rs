@@ -83,13 +83,13 @@ pub use dedupe::{
     SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, epoch_owner,
     epoch_property, positions_property, retired, retired_property, table_epoch,
 };
+pub use evolve::SchemaChange;
+#[cfg(feature = "testing")]
+pub use fault::{CommitStep, Fault, FaultHook};
 pub use layout::{
     Joined, Layout, LayoutRecord, SUMMARY_LAYOUT_SWITCH, layout_property, layout_start,
     layout_start_property, table_layout, worker_start,
 };
-pub use evolve::SchemaChange;
-#[cfg(feature = "testing")]
-pub use fault::{CommitStep, Fault, FaultHook};
 pub use object_files::ObjectFiles;
 pub use orphans::OrphanReport;
 pub use read::{TableReader, load_table, scan_longs, total_records};

@@ -235,3 +235,86 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
         assert!(props[&id].is_string(), "{id} missing: {table}");
     }
 }
+
+/// `GET path` over plain HTTP: the status code and the body, or `None`
+/// while nothing listens.
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let (head, body) = out.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_owned()))
+}
+
+/// A worker's endpoint: `/healthz` answers as soon as it serves, `/readyz`
+/// only once a checkpoint completed (503 with the reason before), and
+/// every metric carries the worker's label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serves_healthz_readyz_and_metrics_labelled_with_the_worker() {
+    let (bootstrap, topic) = fresh_topic("probe-bids", 1_000).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let job = dir.join("job.toml");
+    // The first checkpoint comes 3 s after the start: time to see the
+    // worker alive but not ready.
+    let text =
+        job_text(&dir, &bootstrap, &topic, "").replace("interval = \"300ms\"", "interval = \"3s\"");
+    std::fs::write(
+        &job,
+        format!("{text}\n[metrics]\naddress = \"127.0.0.1:{port}\"\n"),
+    )
+    .unwrap();
+    let mut spawn = Spawner {
+        dir: dir.clone(),
+        next: 0,
+    };
+    let mut run = spawn.worker(&job, &["--worker", "0/1"], &[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let health = loop {
+        if let Some(answer) = get(port, "/healthz") {
+            break answer;
+        }
+        run.assert_alive();
+        assert!(Instant::now() < deadline, "no /healthz within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(health, (200, "ok\n".to_owned()));
+    let (code, body) = get(port, "/readyz").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("no checkpoint completed yet"), "{body}");
+    commits(&mut run, "the worker");
+    let (code, body) = get(port, "/readyz").unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (code, metrics) = get(port, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    assert!(
+        tinyflow_cli::metric_sum(
+            &metrics,
+            "tinyflow_checkpoints_completed_total",
+            Some("worker=\"0/1\"")
+        ) >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(get(port, "/nothing").unwrap().0, 404);
+    let log = std::fs::read_to_string(&run.log).unwrap();
+    assert!(
+        log.lines()
+            .filter(|l| !l.trim().is_empty() && !l.starts_with("CHAOS "))
+            .all(|l| l.starts_with("worker=0/1 ")),
+        "a log line without the worker: {log}"
+    );
+    run.stop();
+}
