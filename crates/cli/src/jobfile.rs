@@ -350,8 +350,13 @@ pub struct CheckpointSection {
     /// Between checkpoints (default `1s`); `off` turns checkpoints (and so
     /// commits) off.
     pub interval: Option<String>,
-    /// Where checkpoints are kept (default `./tinyflow-checkpoints`).
+    /// Where checkpoints are kept (default `./tinyflow-checkpoints`): a
+    /// local directory, or object storage (`s3://bucket/prefix`).
     pub dir: Option<String>,
+    /// The object storage's settings when `dir` is on it (`s3.endpoint`,
+    /// `s3.region`, `s3.access-key-id`, ...); default the sink catalog's
+    /// `properties`.
+    pub storage: Option<BTreeMap<String, String>>,
     /// Completed checkpoints kept (default 3).
     pub retained: Option<usize>,
     /// A checkpoint not complete after this long is abandoned (default `60s`).

@@ -231,26 +231,39 @@ pub async fn inspect(plan: &JobPlan) -> anyhow::Result<Agreement> {
             Err(e) => println!("  source positions of that commit: {e}"),
         }
     }
-    let dir = &plan.checkpoint_dir;
-    println!("checkpoint directory {}", dir.display());
-    match LocalDirStore::holder(dir) {
-        Ok(Some(holder)) => println!("  held by a run: {holder}"),
-        Ok(None) => println!("  no run holds it"),
-        Err(e) => println!("  lock: {e}"),
-    }
-    if let Some(reset) = ResetFile::read(dir)? {
-        let stale = reset.table_committed != committed;
-        println!(
-            "  reset file: the next run without a checkpoint starts at {}{}",
-            reset.start,
-            if stale {
-                " (stale: the table moved on since; it will be ignored)"
-            } else {
-                ""
+    let latest = match &plan.checkpoint_object {
+        Some(o) => {
+            println!("checkpoints on object storage at {}", o.location);
+            crate::checkpoint_storage::peek_object_latest(
+                &o.location,
+                &o.properties,
+                plan.job_id.clone(),
+            )
+            .await?
+        }
+        None => {
+            let dir = &plan.checkpoint_dir;
+            println!("checkpoint directory {}", dir.display());
+            match LocalDirStore::holder(dir) {
+                Ok(Some(holder)) => println!("  held by a run: {holder}"),
+                Ok(None) => println!("  no run holds it"),
+                Err(e) => println!("  lock: {e}"),
             }
-        );
-    }
-    let latest = LocalDirStore::peek_latest(dir, plan.job_id.clone())?;
+            if let Some(reset) = ResetFile::read(dir)? {
+                let stale = reset.table_committed != committed;
+                println!(
+                    "  reset file: the next run without a checkpoint starts at {}{}",
+                    reset.start,
+                    if stale {
+                        " (stale: the table moved on since; it will be ignored)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            LocalDirStore::peek_latest(dir, plan.job_id.clone())?
+        }
+    };
     let Some(checkpoint) = latest else {
         println!("  no checkpoint: a run starts from the table's positions (or source.start)");
         return Ok(Agreement::Agree);
@@ -351,6 +364,9 @@ pub enum ResetTo {
 /// commit); moves the checkpoints aside; writes the reset file (or removes
 /// one, for `--to-table`). Returns a line per thing done.
 pub async fn reset(plan: &JobPlan, to: ResetTo) -> anyhow::Result<Vec<String>> {
+    if let Some(o) = &plan.checkpoint_object {
+        return reset_object(plan, o, to).await;
+    }
     let dir = &plan.checkpoint_dir;
     // Takes the directory's lock: a run holding it turns this away.
     let store = LocalDirStore::open(dir, plan.job_id.clone(), plan.retained)
@@ -408,4 +424,49 @@ pub async fn reset(plan: &JobPlan, to: ResetTo) -> anyhow::Result<Vec<String>> {
         }
     }
     Ok(done)
+}
+
+/// [`reset`] of checkpoints on object storage: claims the sink and sets the
+/// checkpoints aside under `reset-<time>/`; the next run starts from the
+/// table. Only `--to-table`: there is no reset file on object storage, and
+/// no lock either (a run still using the store is fenced by the claim).
+async fn reset_object(
+    plan: &JobPlan,
+    o: &crate::ObjectCheckpoints,
+    to: ResetTo,
+) -> anyhow::Result<Vec<String>> {
+    if let ResetTo::Start(start) = to {
+        return Err(crate::JobFileError::new(
+            "--to-offsets/--to-timestamp",
+            format!(
+                "a start of {start} needs a local checkpoint.dir: with checkpoints on object storage ({}) reset starts from the table only",
+                o.location
+            ),
+        )
+        .into());
+    }
+    let store = crate::checkpoint_storage::open_object_store(
+        &o.location,
+        &o.properties,
+        plan.job_id.clone(),
+        plan.retained,
+    )
+    .await?;
+    let epoch = plan.iceberg.claim().await?;
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let aside = format!("reset-{at}");
+    let moved = store.set_aside(&aside).await?;
+    Ok(vec![
+        format!(
+            "claimed sink {} of table {}.{} with epoch {epoch}: a run of it elsewhere is fenced at its next commit",
+            plan.sink.sink_id,
+            plan.sink.namespace.join("."),
+            plan.sink.table
+        ),
+        format!("moved {moved} checkpoint(s) to {}/{aside}", o.location),
+        "the next run starts where the table's last commit of the sink ends (source.start when it has none)".to_owned(),
+    ])
 }

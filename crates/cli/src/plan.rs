@@ -11,7 +11,7 @@ use anyhow::Context;
 use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 
 use tinyflow_api::{JobBuilder, JobGraph, JobId, OperatorContext, StreamError, Worker};
-use tinyflow_checkpoint::{CheckpointConfig, LocalDirStore};
+use tinyflow_checkpoint::{CheckpointConfig, CheckpointStore, LocalDirStore};
 use tinyflow_connectors_iceberg::{
     BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
     IcebergSinkConfig, Layout, PartitionField, TableSpec, is_s3_location, table_layout,
@@ -25,6 +25,7 @@ use tinyflow_connectors_kafka::{
 };
 use tinyflow_runtime::{JobReport, JobRunner, RestartStrategy, RuntimeConfig, StopHandle};
 
+use crate::checkpoint_storage::is_object_location;
 use crate::jobfile::{BytesColumn, CatalogSection, JobFile, RestartSection, SourceSection};
 use crate::transform::{TRANSFORMS_NODE, TransformOperator, Transforms};
 use crate::{Endpoint, JobFileError, parse_duration};
@@ -46,6 +47,16 @@ pub struct Placement {
     pub sink_id: String,
 }
 
+/// Checkpoints on object storage: the location (a worker's own prefix
+/// under `checkpoint.dir`) and the storage's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectCheckpoints {
+    /// `s3://bucket/prefix[/<worker sink id>]`.
+    pub location: String,
+    /// `checkpoint.storage`, else the catalog's `properties`.
+    pub properties: HashMap<String, String>,
+}
+
 /// A checked job file, ready to run.
 #[derive(Debug)]
 pub struct JobPlan {
@@ -57,8 +68,11 @@ pub struct JobPlan {
     pub output_schema: SchemaRef,
     /// How it runs.
     pub runtime: RuntimeConfig,
-    /// Where checkpoints go.
+    /// Where checkpoints go, when on a local directory.
     pub checkpoint_dir: PathBuf,
+    /// Where checkpoints go, when on object storage (`checkpoint.dir =
+    /// "s3://..."`); then `checkpoint_dir` is not used.
+    pub checkpoint_object: Option<ObjectCheckpoints>,
     /// Checkpoints kept.
     pub retained: usize,
     /// The Prometheus endpoint, if any.
@@ -888,6 +902,7 @@ impl JobFile {
             source_schema,
             output_schema,
             runtime,
+            checkpoint_object: self.plan_object_checkpoints()?,
             checkpoint_dir: {
                 let dir = absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints"));
                 // Each worker keeps its checkpoints apart, by its sink id,
@@ -1089,6 +1104,38 @@ impl JobFile {
             other => err("sink", other.to_string()),
         })?;
         Ok(sc)
+    }
+
+    /// `checkpoint.dir` on object storage, with its settings; `None` for a
+    /// local directory.
+    fn plan_object_checkpoints(&self) -> Result<Option<ObjectCheckpoints>, JobFileError> {
+        let c = &self.checkpoint;
+        let Some(dir) = c.dir.as_deref().filter(|d| is_object_location(d)) else {
+            if c.storage.is_some() {
+                return Err(err(
+                    "checkpoint.storage",
+                    "only for checkpoints on object storage (checkpoint.dir = \"s3://bucket/prefix\")",
+                ));
+            }
+            return Ok(None);
+        };
+        let base = dir.trim_end_matches('/');
+        let location = match &self.placement {
+            // Each worker keeps its checkpoints apart, by its sink id.
+            Some(p) => format!("{base}/{}", p.sink_id),
+            None => base.to_owned(),
+        };
+        let properties: HashMap<String, String> = match &c.storage {
+            Some(s) => s.clone().into_iter().collect(),
+            None => self.sink.catalog.properties.clone().into_iter().collect(),
+        };
+        tinyflow_api::secrets::register_settings(
+            properties.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        Ok(Some(ObjectCheckpoints {
+            location,
+            properties,
+        }))
     }
 
     /// The `[checkpoint]` and `[restart]` sections: the runtime's settings and
@@ -1294,13 +1341,40 @@ impl JobPlan {
     /// Like [`run`](Self::run); `stop` ends the job with a final checkpoint
     /// that the sink commits (what `tinyflow run` does on SIGTERM).
     pub async fn run_until_stopped(self, stop: StopHandle) -> anyhow::Result<JobReport> {
-        let store = LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
-            .await
-            .with_context(|| format!("checkpoint.dir {}", self.checkpoint_dir.display()))?;
+        let (store, fresh, checkpoints): (Arc<dyn CheckpointStore>, bool, String) = match &self
+            .checkpoint_object
+        {
+            None => {
+                let store =
+                    LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
+                        .await
+                        .with_context(|| {
+                            format!("checkpoint.dir {}", self.checkpoint_dir.display())
+                        })?;
+                let fresh = store.list().await?.is_empty();
+                (
+                    Arc::new(store),
+                    fresh,
+                    self.checkpoint_dir.display().to_string(),
+                )
+            }
+            Some(o) => {
+                let store = crate::checkpoint_storage::open_object_store(
+                    &o.location,
+                    &o.properties,
+                    self.job_id.clone(),
+                    self.retained,
+                )
+                .await
+                .with_context(|| format!("checkpoint.dir {}", o.location))?;
+                let fresh = store.list().await?.is_empty();
+                (Arc::new(store), fresh, o.location.clone())
+            }
+        };
         let table = format!("{}.{}", self.sink.namespace.join("."), self.sink.table);
         tracing::info!(
             job = %self.job_id,
-            checkpoints = %self.checkpoint_dir.display(),
+            checkpoints = %checkpoints,
             catalog = %self.sink.catalog.describe(),
             table = %table,
             sink = %self.sink.sink_id,
@@ -1309,12 +1383,16 @@ impl JobPlan {
         );
         self.check_single().await?;
         let mut graph = None;
-        if store.list().await?.is_empty() {
+        if fresh {
             // No checkpoint: where the job starts depends on the table. Claim
             // the sink first, so that no older run commits after the read.
             let epoch = self.iceberg.claim().await?;
             let committed = self.iceberg.last_committed().await?.map(|c| c.get());
-            let reset = crate::jobstate::ResetFile::read(&self.checkpoint_dir)?;
+            // `tinyflow reset` leaves its word in a local directory only.
+            let reset = match &self.checkpoint_object {
+                None => crate::jobstate::ResetFile::read(&self.checkpoint_dir)?,
+                Some(_) => None,
+            };
             let start = match reset {
                 Some(reset) if reset.table_committed == committed => {
                     tracing::warn!(
@@ -1366,7 +1444,7 @@ impl JobPlan {
                 .follow_table(mode == SchemaEvolution::AddColumns)
                 .await?;
         }
-        let report = JobRunner::new(graph, Arc::new(store), self.runtime)
+        let report = JobRunner::new(graph, store, self.runtime)
             .with_restart_budget_reset(Some(self.restart_reset_after))
             .with_stop(stop)
             .run()

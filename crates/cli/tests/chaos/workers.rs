@@ -318,3 +318,101 @@ async fn a_worker_serves_healthz_readyz_and_metrics_labelled_with_the_worker() {
     );
     run.stop();
 }
+
+/// Checkpoints on object storage (the S3 server of the tests): a worker
+/// killed and started again from another directory (as on another
+/// machine) restores its own checkpoint from S3, goes on, and the table
+/// holds every record once; `tinyflow inspect` shows both workers with
+/// their checkpoints on S3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restarted_elsewhere_restores_its_checkpoint_from_s3() {
+    let n = 8_000u64;
+    let (bootstrap, topic) = new_topic("s3-state-bids").await;
+    let first = n / 2;
+    produce_stream(
+        &bootstrap,
+        &topic,
+        &[],
+        (0..first).map(|id| ((id % PARTITIONS as u64) as i32, bid_json(id))),
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let storage: Vec<String> = tinyflow_tests::s3_properties()
+        .iter()
+        .map(|(k, v)| format!("\"{k}\" = \"{v}\""))
+        .collect();
+    let text = job_text(&dir, &bootstrap, &topic, "").replace(
+        &format!("dir = \"{}/checkpoints\"", dir.display()),
+        &format!(
+            "dir = \"s3://tinyflow/test-{nanos}/checkpoints\"\nstorage = {{ {} }}",
+            storage.join(", ")
+        ),
+    );
+    assert!(text.contains("s3://tinyflow"), "{text}");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, &text).unwrap();
+    // The same file on "another machine".
+    let other = tempfile::tempdir().unwrap();
+    let job_elsewhere = other.path().join("job.toml");
+    std::fs::write(&job_elsewhere, &text).unwrap();
+
+    let mut spawn = Spawner {
+        dir: dir.clone(),
+        next: 0,
+    };
+    let mut w0 = spawn.worker(&job, &["--worker", "0/2"], &[]);
+    let mut w1 = spawn.worker(&job, &["--worker", "1/2"], &[]);
+    commits(&mut w0, "worker 0/2");
+    commits(&mut w1, "worker 1/2");
+    // A few more checkpoints, then a crash.
+    std::thread::sleep(Duration::from_secs(1));
+    w1.kill();
+    let mut w1 = spawn.worker(&job_elsewhere, &["--worker", "1/2"], &[]);
+    assert!(
+        w1.wait_for("restored=Some", Duration::from_secs(60)),
+        "worker 1/2 did not restore its checkpoint from S3; log: {}",
+        std::fs::read_to_string(&w1.log).unwrap_or_default()
+    );
+    produce_stream(
+        &bootstrap,
+        &topic,
+        &[],
+        (first..n).map(|id| ((id % PARTITIONS as u64) as i32, bid_json(id))),
+    )
+    .unwrap();
+    let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
+    let table = TableReader::open(&catalog, "chaos", "bids").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while committed_rows(&table).await < n {
+        w0.assert_alive();
+        w1.assert_alive();
+        assert!(
+            Instant::now() < deadline,
+            "the table holds {} of {n} rows after 120 s",
+            committed_rows(&table).await
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (code, out, err) = tinyflow(&["inspect", job.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    for want in [
+        "2 workers (layout generation 1",
+        "worker 0/2:",
+        "worker 1/2:",
+        &format!(
+            "checkpoints on object storage at s3://tinyflow/test-{nanos}/checkpoints/chaos.w1-of-2.g1"
+        ),
+        "newest checkpoint:",
+        "verdict: agree",
+    ] {
+        assert!(out.contains(want), "no {want:?} in: {out}");
+    }
+    w0.stop();
+    w1.stop();
+    read_each_once(&dir, n);
+}
