@@ -364,6 +364,9 @@ pub enum ResetTo {
 /// commit); moves the checkpoints aside; writes the reset file (or removes
 /// one, for `--to-table`). Returns a line per thing done.
 pub async fn reset(plan: &JobPlan, to: ResetTo) -> anyhow::Result<Vec<String>> {
+    // Workers start from the table by themselves; a reset of the job in
+    // one process would not reach them.
+    plan.check_single().await?;
     if let Some(o) = &plan.checkpoint_object {
         return reset_object(plan, o, to).await;
     }

@@ -167,10 +167,15 @@ fn main() -> ExitCode {
                 )?;
                 init_tracing("info", placement.map(|(w, _)| w));
                 let mut plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
+                // Before the worker joins its layout, so that the switch's
+                // catalog updates are counted too.
+                let labels: Vec<(&str, String)> = placement
+                    .map(|(w, _)| vec![("worker", w.to_string())])
+                    .unwrap_or_default();
+                let metrics = install_metrics(plan.endpoint(), &labels).await?;
                 if let Some((worker, from)) = placement {
                     plan = plan.for_worker(worker, from).await?;
                 }
-                let metrics = install_metrics(plan.endpoint(), &plan.metric_labels()).await?;
                 let (address, linger) = (plan.metrics_address, plan.metrics_linger);
                 let stop = StopHandle::new();
                 let run = plan.run_until_stopped(stop.clone());

@@ -1278,14 +1278,6 @@ impl JobPlan {
         })
     }
 
-    /// The labels every metric of this run carries: the worker's.
-    pub fn metric_labels(&self) -> Vec<(&'static str, String)> {
-        match &self.placement {
-            Some(p) => vec![("worker", p.worker.to_string())],
-            None => Vec::new(),
-        }
-    }
-
     /// The Kafka offsets the table holds this sink's data up to: the
     /// `source-positions` of its last commit; for a worker, over the start
     /// of its layout (where a rescale left the partitions it owns now).
@@ -1314,7 +1306,7 @@ impl JobPlan {
 
     /// Refuses to run the job in one process on a table its workers write
     /// (the workers would go on beside it, or their data be read again).
-    async fn check_single(&self) -> anyhow::Result<()> {
+    pub(crate) async fn check_single(&self) -> anyhow::Result<()> {
         if self.placement.is_some() {
             return Ok(());
         }
