@@ -56,6 +56,7 @@ mod checkpoint_object_store;
 mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_identity;
+mod iceberg_layout;
 mod iceberg_sink;
 mod kafka_avro;
 mod kafka_dead_letter;

@@ -272,6 +272,62 @@ impl std::str::FromStr for Worker {
     }
 }
 
+/// The layout a rescale replaces, as the new layout's workers are told it
+/// (`--rescale-from`): `N@G`, the `N` workers of layout generation `G` (what
+/// `tinyflow inspect` shows), or `1`, the job in one process. Naming the
+/// generation makes a rescale happen once: a worker left with an old value
+/// can never switch the table again.
+///
+/// ```
+/// use tinyflow_api::RescaleFrom;
+/// let r: RescaleFrom = "3@2".parse().unwrap();
+/// assert_eq!((r.workers, r.generation), (3, Some(2)));
+/// assert_eq!(r.to_string(), "3@2");
+/// assert_eq!("1".parse::<RescaleFrom>().unwrap().generation, None);
+/// assert!("3@x".parse::<RescaleFrom>().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RescaleFrom {
+    /// How many workers the old layout has.
+    pub workers: u32,
+    /// Its generation; `None` for the job in one process.
+    pub generation: Option<u64>,
+}
+
+impl fmt::Display for RescaleFrom {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.generation {
+            Some(g) => write!(f, "{}@{g}", self.workers),
+            None => write!(f, "{}", self.workers),
+        }
+    }
+}
+
+impl std::str::FromStr for RescaleFrom {
+    type Err = String;
+
+    /// `N@G` or `1`.
+    fn from_str(s: &str) -> Result<RescaleFrom, String> {
+        let bad = || {
+            format!(
+                "`{s}`: expected the layout being replaced as WORKERS@GENERATION, such as 3@2 (tinyflow inspect shows it), or 1 for the job in one process"
+            )
+        };
+        let (n, g) = match s.trim().split_once('@') {
+            Some((n, g)) => (n, Some(g.trim().parse::<u64>().map_err(|_| bad())?)),
+            None => (s.trim(), None),
+        };
+        let workers = n.trim().parse::<u32>().map_err(|_| bad())?;
+        if workers == 0 || g == Some(0) {
+            return Err(bad());
+        }
+        Ok(RescaleFrom {
+            workers,
+            generation: g,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -53,7 +53,7 @@ pub mod testing;
 
 pub use data::{DEFAULT_MAX_PARALLELISM, Data, Key, StateValue, key_group};
 pub use error::{BoxError, StreamError, StreamResult, error_chain};
-pub use ids::{CheckpointId, IdError, JobId, TaskId, Worker};
+pub use ids::{CheckpointId, IdError, JobId, RescaleFrom, TaskId, Worker};
 pub use job::{JobBuilder, JobGraph, KeyedStream, Stream};
 pub use operator::{
     JobPositions, Operator, OperatorContext, OperatorFactory, OperatorState, Output, Sink,

@@ -25,10 +25,10 @@
 //! then the new index (the commit point: the checkpoint exists once the
 //! index names it), then deletes the objects that fell out of retention,
 //! best effort (a failed delete is a warning and leaves a harmless object
-//! behind, never a failed checkpoint). When the index cannot be written,
-//! the new object is deleted again, best effort. A failure that leaves it
-//! unknown whether the index was written (a lost answer) may leave the
-//! checkpoint visible though `persist` failed: that is safe, as the
+//! behind, never a failed checkpoint). When the index write fails, the new
+//! object stays: the failure may be a lost answer to an index write that
+//! was done, and then the index names it. Such a checkpoint is visible
+//! though `persist` failed: that is safe, as the
 //! checkpoint is a consistent cut whose data the next one would carry, and
 //! nothing was committed on its behalf. Writes of one store are queued
 //! (the index is read, changed and written back), and ids only grow: a
@@ -304,12 +304,10 @@ impl<S: ObjectStorage> CheckpointStore for ObjectStore<S> {
             highest: id,
             retained,
         };
-        if let Err(e) = self.storage.put(INDEX, index.encode()).await {
-            // No index names it: take it back, so that nothing is left behind.
-            self.delete_quietly(id, "could not remove a checkpoint whose index write failed")
-                .await;
-            return Err(e);
-        }
+        // On an error the object stays: the store may have taken the index
+        // and only the answer was lost, and then the index names it. An
+        // object no index names is never read, and goes with the prefix.
+        self.storage.put(INDEX, index.encode()).await?;
         tracing::debug!(
             checkpoint = %id,
             bytes = size,
@@ -475,6 +473,9 @@ mod tests {
         objects: BTreeMap<String, Vec<u8>>,
         /// Names whose next put fails.
         fail_put: HashSet<String>,
+        /// Names whose next put is done, but answers with an error (a lost
+        /// answer).
+        lose_answer: HashSet<String>,
         fail_deletes: bool,
     }
 
@@ -518,6 +519,9 @@ mod tests {
                 return Err(unavailable(name));
             }
             st.objects.insert(name.to_owned(), bytes);
+            if st.lose_answer.remove(name) {
+                return Err(unavailable(name));
+            }
             Ok(())
         }
 
@@ -700,13 +704,14 @@ mod tests {
             Some(CheckpointId::new(2))
         );
 
-        // The object is written, the index is not: the object is taken back.
+        // The object is written, the index is not: the object stays (the
+        // index might name it, had only the answer been lost), unnamed.
         objects.lock().fail_put.insert(INDEX.to_owned());
         let e = store.persist(&checkpoint(&job("j"), 3)).await.unwrap_err();
         assert!(e.is_retryable(), "{e}");
         assert_eq!(store.latest().await.unwrap().unwrap().id.get(), 2);
         assert_eq!(store.list().await.unwrap(), ids(&[1, 2]));
-        assert!(objects.get_now(&three).is_none());
+        assert!(objects.get_now(&three).is_some());
 
         // Deletes that fail lose nothing but space.
         objects.lock().fail_deletes = true;
@@ -718,6 +723,24 @@ mod tests {
                 .get_now(&object_name(CheckpointId::new(1)))
                 .is_some()
         );
+    }
+
+    /// The index was written but its answer lost: `persist` fails, yet
+    /// the index names the checkpoint, and its object is there to restore
+    /// (never deleted on the error), also with one checkpoint retained.
+    #[tokio::test]
+    async fn an_index_written_whose_answer_was_lost_names_a_checkpoint_that_is_there() {
+        let objects = MemoryObjects::default();
+        let store = ObjectStore::open(objects.clone(), job("j"), 1)
+            .await
+            .unwrap();
+        persist_ids(&store, [1, 2]).await;
+        objects.lock().lose_answer.insert(INDEX.to_owned());
+        assert!(store.persist(&checkpoint(&job("j"), 3)).await.is_err());
+        assert_eq!(store.latest().await.unwrap().unwrap().id.get(), 3);
+        assert_eq!(store.list().await.unwrap(), ids(&[3]));
+        persist_ids(&store, [4]).await;
+        assert_eq!(store.latest().await.unwrap().unwrap().id.get(), 4);
     }
 
     #[tokio::test]

@@ -79,19 +79,21 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
     exit::FAILED
 }
 
-/// The worker `tinyflow run` runs as, and the worker count a rescale
-/// replaces: from `--worker I/N` and `--rescale-from N`, else from the
-/// environment (`env`): `TINYFLOW_WORKER=I/N`, or `TINYFLOW_WORKERS=N` with
+/// The worker `tinyflow run` runs as, and the layout a rescale replaces:
+/// from `--worker I/N` and `--rescale-from N@G`, else from the environment
+/// (`env`): `TINYFLOW_WORKER=I/N`, or `TINYFLOW_WORKERS=N` with
 /// `TINYFLOW_WORKER_INDEX` (a number, or a StatefulSet pod name such as
 /// `tinyflow-2`, whose ordinal is the index), and `TINYFLOW_RESCALE_FROM`.
-/// `None`: the job in one process.
+/// `None`: the job in one process. Settings that contradict each other, or
+/// half of a pair, are errors: a pod meant as a worker must never run as the
+/// job in one process.
 ///
 /// ```
 /// use tinyflow_cli::worker_from;
 /// let none = |_: &str| None;
 /// assert_eq!(worker_from(None, None, &none).unwrap(), None);
-/// let w = worker_from(Some("1/3"), Some(2), &none).unwrap().unwrap();
-/// assert_eq!((w.0.to_string(), w.1), ("1/3".to_owned(), Some(2)));
+/// let w = worker_from(Some("1/3"), Some("2@4"), &none).unwrap().unwrap();
+/// assert_eq!((w.0.to_string(), w.1.unwrap().to_string()), ("1/3".to_owned(), "2@4".to_owned()));
 /// let pod = |k: &str| match k {
 ///     "TINYFLOW_WORKERS" => Some("4".to_owned()),
 ///     "TINYFLOW_WORKER_INDEX" => Some("tinyflow-bids-3".to_owned()),
@@ -99,52 +101,69 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
 /// };
 /// assert_eq!(worker_from(None, None, &pod).unwrap().unwrap().0.to_string(), "3/4");
 /// assert!(worker_from(Some("3/3"), None, &none).unwrap_err().to_string().contains("--worker"));
+/// let half = |k: &str| (k == "TINYFLOW_WORKER_INDEX").then(|| "tinyflow-1".to_owned());
+/// assert!(worker_from(None, None, &half).is_err());
 /// ```
 pub fn worker_from(
     flag: Option<&str>,
-    rescale_from: Option<u32>,
+    rescale_from: Option<&str>,
     env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<(tinyflow_api::Worker, Option<u32>)>, JobFileError> {
-    let rescale_from = match rescale_from {
-        Some(n) => Some(n),
-        None => env("TINYFLOW_RESCALE_FROM")
-            .filter(|v| !v.trim().is_empty())
-            .map(|v| {
-                v.trim().parse::<u32>().map_err(|_| {
-                    JobFileError::new(
-                        "TINYFLOW_RESCALE_FROM",
-                        format!("`{v}`: expected the worker count of the old layout"),
-                    )
-                })
-            })
-            .transpose()?,
-    };
-    if rescale_from == Some(0) {
-        return Err(JobFileError::new(
-            "--rescale-from",
-            "0: expected the worker count of the old layout (1 for the job in one process)",
-        ));
+) -> Result<Option<(tinyflow_api::Worker, Option<tinyflow_api::RescaleFrom>)>, JobFileError> {
+    let set = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+    let rescale_from = match (rescale_from, set("TINYFLOW_RESCALE_FROM")) {
+        (Some(f), _) => Some(("--rescale-from", f.to_owned())),
+        (None, Some(v)) => Some(("TINYFLOW_RESCALE_FROM", v)),
+        (None, None) => None,
     }
-    let (key, text) = if let Some(f) = flag {
-        ("--worker", f.to_owned())
-    } else if let Some(w) = env("TINYFLOW_WORKER").filter(|v| !v.trim().is_empty()) {
-        ("TINYFLOW_WORKER", w)
-    } else if let Some(n) = env("TINYFLOW_WORKERS").filter(|v| !v.trim().is_empty()) {
-        let index = env("TINYFLOW_WORKER_INDEX").ok_or_else(|| {
-            JobFileError::new(
-                "TINYFLOW_WORKER_INDEX",
-                "TINYFLOW_WORKERS is set but not TINYFLOW_WORKER_INDEX (a number, or the pod's name in a StatefulSet)",
-            )
-        })?;
-        let ordinal = index.trim().rsplit('-').next().unwrap_or("").to_owned();
-        if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+    .map(|(key, v)| {
+        v.parse::<tinyflow_api::RescaleFrom>()
+            .map_err(|m| JobFileError::new(key, m))
+    })
+    .transpose()?;
+    let from_index = match (set("TINYFLOW_WORKERS"), set("TINYFLOW_WORKER_INDEX")) {
+        (Some(n), Some(index)) => {
+            let ordinal = index.trim().rsplit('-').next().unwrap_or("").to_owned();
+            if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(JobFileError::new(
+                    "TINYFLOW_WORKER_INDEX",
+                    format!("`{index}`: expected a number, or a pod name ending in -<ordinal>"),
+                ));
+            }
+            Some(format!("{ordinal}/{}", n.trim()))
+        }
+        (Some(_), None) => {
             return Err(JobFileError::new(
                 "TINYFLOW_WORKER_INDEX",
-                format!("`{index}`: expected a number, or a pod name ending in -<ordinal>"),
+                "TINYFLOW_WORKERS is set but not TINYFLOW_WORKER_INDEX (a number, or the pod's name in a StatefulSet)",
             ));
         }
-        ("TINYFLOW_WORKERS", format!("{ordinal}/{}", n.trim()))
-    } else {
+        (None, Some(_)) => {
+            return Err(JobFileError::new(
+                "TINYFLOW_WORKERS",
+                "TINYFLOW_WORKER_INDEX is set but not TINYFLOW_WORKERS (how many workers the job has)",
+            ));
+        }
+        (None, None) => None,
+    };
+    let mut said: Vec<(&str, String)> = Vec::new();
+    if let Some(f) = flag {
+        said.push(("--worker", f.to_owned()));
+    }
+    if let Some(w) = set("TINYFLOW_WORKER") {
+        said.push(("TINYFLOW_WORKER", w));
+    }
+    if let Some(w) = from_index {
+        said.push(("TINYFLOW_WORKERS", w));
+    }
+    let mut parsed = Vec::with_capacity(said.len());
+    for (key, text) in &said {
+        parsed.push((
+            *key,
+            text.parse::<tinyflow_api::Worker>()
+                .map_err(|m| JobFileError::new(*key, m))?,
+        ));
+    }
+    let Some(&(key, worker)) = parsed.first() else {
         if rescale_from.is_some() {
             return Err(JobFileError::new(
                 "--rescale-from",
@@ -153,9 +172,12 @@ pub fn worker_from(
         }
         return Ok(None);
     };
-    let worker = text
-        .parse::<tinyflow_api::Worker>()
-        .map_err(|m| JobFileError::new(key, m))?;
+    if let Some((other, w)) = parsed.iter().find(|(_, w)| *w != worker) {
+        return Err(JobFileError::new(
+            key,
+            format!("says worker {worker}, but {other} says {w}"),
+        ));
+    }
     Ok(Some((worker, rescale_from)))
 }
 

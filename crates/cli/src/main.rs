@@ -38,12 +38,13 @@ enum Command {
         /// StatefulSet pod name ending in `-<ordinal>`).
         #[arg(long, value_name = "I/N")]
         worker: Option<String>,
-        /// Rescale: the worker count of the layout this one replaces (also
+        /// Rescale: the layout this one replaces, `WORKERS@GENERATION` as
+        /// `tinyflow inspect` shows it (`1` for the job in one process; also
         /// `TINYFLOW_RESCALE_FROM`). The first worker of the new layout
         /// retires the old one in the table (fencing its workers) and the
         /// new workers start where the old ones committed.
-        #[arg(long, value_name = "N")]
-        rescale_from: Option<u32>,
+        #[arg(long, value_name = "N@G")]
+        rescale_from: Option<String>,
     },
     /// Checks a job file without connecting to anything.
     Validate {
@@ -79,6 +80,11 @@ enum Command {
         /// Unix epoch).
         #[arg(long, value_name = "MS")]
         to_timestamp: Option<i64>,
+        /// Reset worker I of N of a job spread over workers (its sink id and
+        /// checkpoints); N must be the table's layout. Also from the
+        /// environment, as for `run`.
+        #[arg(long, value_name = "I/N")]
+        worker: Option<String>,
     },
 }
 
@@ -160,11 +166,8 @@ fn main() -> ExitCode {
                 rescale_from,
             } => {
                 let env = |k: &str| std::env::var(k).ok();
-                let placement = tinyflow_cli::worker_from(
-                    worker.as_deref(),
-                    rescale_from,
-                    &env,
-                )?;
+                let placement =
+                    tinyflow_cli::worker_from(worker.as_deref(), rescale_from.as_deref(), &env)?;
                 init_tracing("info", placement.map(|(w, _)| w));
                 let mut plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
                 // Before the worker joins its layout, so that the switch's
@@ -231,9 +234,15 @@ fn main() -> ExitCode {
                 to_table: _,
                 to_offsets,
                 to_timestamp,
+                worker,
             } => {
                 init_tracing("warn", None);
-                let plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
+                let env = |k: &str| std::env::var(k).ok();
+                let placement = tinyflow_cli::worker_from(worker.as_deref(), None, &env)?;
+                let mut plan = JobFile::load(&job)?.resolve_schema().await?.plan()?;
+                if let Some((worker, _)) = placement {
+                    plan = plan.as_current_worker(worker).await?;
+                }
                 let to = match (to_offsets, to_timestamp) {
                     (Some(o), _) => ResetTo::Start(ResetStart::Offsets(
                         parse_offsets(&o).map_err(|e| JobFileError {

@@ -1110,6 +1110,15 @@ impl JobFile {
     /// local directory.
     fn plan_object_checkpoints(&self) -> Result<Option<ObjectCheckpoints>, JobFileError> {
         let c = &self.checkpoint;
+        if let Some(d) = c.dir.as_deref()
+            && d.contains("://")
+            && !is_object_location(d)
+        {
+            return Err(err(
+                "checkpoint.dir",
+                format!("`{d}`: expected a local directory or s3://bucket/prefix"),
+            ));
+        }
         let Some(dir) = c.dir.as_deref().filter(|d| is_object_location(d)) else {
             if c.storage.is_some() {
                 return Err(err(
@@ -1233,14 +1242,14 @@ fn checkpoint_check(runtime: &RuntimeConfig) -> Result<(), JobFileError> {
 impl JobPlan {
     /// The plan of worker `worker` of this job (`tinyflow run --worker`):
     /// finds or makes its place in the table's layout of workers
-    /// ([`IcebergSink::join_layout`]; `rescale_from`: the worker count of
-    /// the layout a rescale replaces) and plans the job again as that
+    /// ([`IcebergSink::join_layout`]; `rescale_from`: the layout a rescale
+    /// replaces) and plans the job again as that
     /// worker: its share of the partitions, its own sink id, its own
     /// checkpoint directory (`checkpoint.dir/<sink id>`).
     pub async fn for_worker(
         self,
         worker: Worker,
-        rescale_from: Option<u32>,
+        rescale_from: Option<tinyflow_api::RescaleFrom>,
     ) -> anyhow::Result<JobPlan> {
         let joined = self.iceberg.join_layout(worker, rescale_from).await?;
         tracing::info!(
@@ -1257,6 +1266,40 @@ impl JobPlan {
             sink_id: joined.sink_id,
         };
         Ok(self.as_worker(placement)?)
+    }
+
+    /// This job planned as worker `worker` of the table's current layout,
+    /// without changing the table (`tinyflow reset --worker`): refused when
+    /// the table's layout has another worker count.
+    pub async fn as_current_worker(&self, worker: Worker) -> anyhow::Result<JobPlan> {
+        let table = self.iceberg.load_table().await?;
+        let base = &self.sink.sink_id;
+        let layout = match table_layout(&table, base)? {
+            Some(r) if r.layout.workers == worker.count() => r.layout,
+            Some(r) => {
+                return Err(StreamError::Config {
+                    key: "--worker",
+                    message: format!(
+                        "worker {worker}: the table's layout of sink `{base}` is {} workers (generation {})",
+                        r.layout.workers, r.layout.generation
+                    ),
+                }
+                .into());
+            }
+            None => {
+                return Err(StreamError::Config {
+                    key: "--worker",
+                    message: format!("the table has no layout of workers of sink `{base}`"),
+                }
+                .into());
+            }
+        };
+        Ok(self.as_worker(Placement {
+            worker,
+            layout,
+            base_sink: base.clone(),
+            sink_id: layout.sink_id(base, worker.index()),
+        })?)
     }
 
     /// This job planned as the worker `placement` says, without asking the
@@ -1316,8 +1359,8 @@ impl JobPlan {
             return Err(StreamError::Config {
                 key: "--worker",
                 message: format!(
-                    "sink `{}` of this table is written by {n} workers (layout generation {}, set by {}); run each with --worker I/{n}, or, to run the job in one process again, --worker 0/1 --rescale-from {n}",
-                    self.sink.sink_id, record.layout.generation, record.set_by
+                    "sink `{}` of this table is written by {n} workers (layout generation {g}, set by {}); run (or reset) each with --worker I/{n}, or, to run the job in one process again, --worker 0/1 --rescale-from {n}@{g}",
+                    self.sink.sink_id, record.set_by, g = record.layout.generation
                 ),
             }
             .into());
@@ -1343,7 +1386,8 @@ impl JobPlan {
                         .with_context(|| {
                             format!("checkpoint.dir {}", self.checkpoint_dir.display())
                         })?;
-                let fresh = store.list().await?.is_empty();
+                // No checkpoint to restore (none, or none readable).
+                let fresh = store.latest().await?.is_none();
                 (
                     Arc::new(store),
                     fresh,
@@ -1359,7 +1403,8 @@ impl JobPlan {
                 )
                 .await
                 .with_context(|| format!("checkpoint.dir {}", o.location))?;
-                let fresh = store.list().await?.is_empty();
+                // No checkpoint to restore (none, or none readable).
+                let fresh = store.latest().await?.is_none();
                 (Arc::new(store), fresh, o.location.clone())
             }
         };

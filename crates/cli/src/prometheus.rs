@@ -54,6 +54,15 @@ pub async fn install_metrics(
             window: endpoint.ready_window,
             seen: Mutex::new((0.0, Instant::now())),
         });
+        // Watches the counter once a second, so that readiness dates a
+        // checkpoint from when it completed, not from when a probe looked.
+        let watch = Arc::clone(&health);
+        tokio::spawn(async move {
+            loop {
+                watch.observe();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
         tokio::spawn(serve(listener, health));
         tracing::info!(address = %endpoint.address, "serving /metrics, /healthz and /readyz");
     }
@@ -70,8 +79,8 @@ struct Health {
 }
 
 impl Health {
-    /// `Ok` when ready, else why not.
-    fn ready(&self) -> Result<String, String> {
+    /// Reads the completed checkpoints counter and notes when it grew.
+    fn observe(&self) -> (f64, Instant) {
         let completed = metric_sum(
             &self.handle.render(),
             "tinyflow_checkpoints_completed_total",
@@ -84,7 +93,13 @@ impl Health {
         if completed > seen.0 {
             *seen = (completed, Instant::now());
         }
-        let since = seen.1.elapsed();
+        *seen
+    }
+
+    /// `Ok` when ready, else why not.
+    fn ready(&self) -> Result<String, String> {
+        let (completed, at) = self.observe();
+        let since = at.elapsed();
         if completed <= 0.0 {
             Err("starting: no checkpoint completed yet in this process".to_owned())
         } else if since > self.window {
@@ -102,11 +117,20 @@ impl Health {
     }
 }
 
+/// Most connections the endpoint serves at once; more are closed at once.
+const MAX_CONNECTIONS: usize = 32;
+
+/// How long one connection may take, from accept to the last byte sent.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Serves the endpoint: one request per connection, HTTP/1.1 with
-/// `Connection: close` (what probes and scrapers need).
+/// `Connection: close` (what probes and scrapers need). A connection gets
+/// [`CONNECTION_TIMEOUT`] in all, and at most [`MAX_CONNECTIONS`] are
+/// served at once, so slow or many clients cannot hold the job's sockets.
 async fn serve(listener: tokio::net::TcpListener, health: Arc<Health>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "the metrics endpoint could not accept a connection");
@@ -114,11 +138,20 @@ async fn serve(listener: tokio::net::TcpListener, health: Arc<Health>) {
                 continue;
             }
         };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::debug!(%peer, "the metrics endpoint is busy: closing a connection");
+            continue;
+        };
         let health = Arc::clone(&health);
         tokio::spawn(async move {
-            if let Err(e) = answer(stream, &health).await {
-                tracing::debug!(error = %e, "a metrics endpoint connection failed");
+            match tokio::time::timeout(CONNECTION_TIMEOUT, answer(stream, &health)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "a metrics endpoint connection failed")
+                }
+                Err(_) => tracing::debug!(%peer, "a metrics endpoint connection took too long"),
             }
+            drop(slot);
         });
     }
 }
@@ -129,9 +162,7 @@ async fn answer(mut stream: tokio::net::TcpStream, health: &Health) -> std::io::
     let mut buf = [0u8; 1024];
     // The request line and headers; bodies are not expected.
     while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 16 * 1024 {
-        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
-            .await
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        let n = stream.read(&mut buf).await?;
         if n == 0 {
             break;
         }

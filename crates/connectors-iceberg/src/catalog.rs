@@ -59,6 +59,14 @@ pub(crate) fn jitter(base: std::time::Duration) -> std::time::Duration {
     base.mul_f64(0.5 + (r % 1_000_000) as f64 / 1_000_000.0)
 }
 
+/// Waits before trying again a commit that lost a race in round `round`
+/// (from 0): 50 ms doubling up to 3.2 s, jittered; says why at info.
+pub(crate) async fn pause_after_conflict(round: u32, sink: &str, doing: &str) {
+    let pause = jitter(std::time::Duration::from_millis(50) * 2u32.pow(round.min(6)));
+    tracing::info!(sink = %sink, pause_ms = pause.as_millis() as u64, "other commits went first; {doing} again");
+    tokio::time::sleep(pause).await;
+}
+
 /// Whether `e` is a commit that lost a race with another commit (after
 /// iceberg's own retries, as many as the table's `commit.retry.*` allow).
 pub(crate) fn is_conflict(e: &iceberg::Error) -> bool {

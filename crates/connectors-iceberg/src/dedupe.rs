@@ -30,6 +30,38 @@ pub const SUMMARY_EPOCH: &str = "tinyflow.epoch";
 /// snapshot adds no files.
 pub const SUMMARY_EPOCH_CLAIM: &str = "tinyflow.epoch-claim";
 
+/// Who does something to a table, and when: `pid N on HOST at UNIX-SECONDS`
+/// (an epoch's owner, a layout's author).
+pub(crate) fn stamp() -> String {
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("{} at {at}", tinyflow_api::util::this_process())
+}
+
+/// The JSON value of table property `key` of `table`, read as `T`
+/// (`what` names it in the error; `owner` is the sink it belongs to).
+pub(crate) fn json_property<T: serde::de::DeserializeOwned>(
+    table: &Table,
+    key: &str,
+    owner: &str,
+    what: &str,
+) -> StreamResult<Option<T>> {
+    let Some(json) = table.metadata().properties().get(key) else {
+        return Ok(None);
+    };
+    serde_json::from_str(json).map(Some).map_err(|e| {
+        StreamError::external(
+            owner.to_owned(),
+            "iceberg",
+            format!("reading the table property {key}"),
+            format!("not {what} ({e}): {json}"),
+            false,
+        )
+    })
+}
+
 /// The table property holding the epoch of the run that owns `sink_id`.
 pub fn epoch_property(sink_id: &str) -> String {
     format!("tinyflow.sink.{sink_id}.epoch")
@@ -92,19 +124,12 @@ pub fn positions_property(sink_id: &str) -> String {
 /// `table` (from [`positions_property`]); `None` when the sink committed
 /// none with positions.
 pub fn committed_positions(table: &Table, sink_id: &str) -> StreamResult<Option<JobPositions>> {
-    let key = positions_property(sink_id);
-    let Some(json) = table.metadata().properties().get(&key) else {
-        return Ok(None);
-    };
-    serde_json::from_str(json).map(Some).map_err(|e| {
-        StreamError::external(
-            sink_id.to_owned(),
-            "iceberg",
-            format!("reading the table property {key}"),
-            format!("not the JSON of source positions ({e}): {json}"),
-            false,
-        )
-    })
+    json_property(
+        table,
+        &positions_property(sink_id),
+        sink_id,
+        "the JSON of source positions",
+    )
 }
 
 /// The highest checkpoint id `sink_id` committed to `table`: the larger of

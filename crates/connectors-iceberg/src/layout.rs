@@ -21,17 +21,16 @@
 //! one's).
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use iceberg::table::Table;
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
 use serde::{Deserialize, Serialize};
-use tinyflow_api::{JobPositions, StreamError, StreamResult, Worker, merge_positions};
+use tinyflow_api::{JobPositions, RescaleFrom, StreamError, StreamResult, Worker, merge_positions};
 
-use crate::catalog::{GuardedCatalog, external, is_conflict, jitter};
+use crate::catalog::{GuardedCatalog, external, is_conflict, pause_after_conflict};
 use crate::dedupe::{
     Observed, committed_id, committed_positions, epoch_owner_property, epoch_property,
-    retired_property, table_epoch,
+    json_property, retired_property, table_epoch,
 };
 use crate::table::SinkTable;
 
@@ -95,36 +94,17 @@ pub struct LayoutRecord {
 /// The layout record of `base` in `table`, if the job was ever spread over
 /// workers.
 pub fn table_layout(table: &Table, base: &str) -> StreamResult<Option<LayoutRecord>> {
-    let key = layout_property(base);
-    let Some(json) = table.metadata().properties().get(&key) else {
-        return Ok(None);
-    };
-    serde_json::from_str(json).map(Some).map_err(|e| {
-        StreamError::external(
-            base.to_owned(),
-            "iceberg",
-            format!("reading the table property {key}"),
-            format!("not a layout record ({e}): {json}"),
-            false,
-        )
-    })
+    json_property(table, &layout_property(base), base, "a layout record")
 }
 
 /// Where the current layout's workers of `base` start.
 pub fn layout_start(table: &Table, base: &str) -> StreamResult<Option<JobPositions>> {
-    let key = layout_start_property(base);
-    let Some(json) = table.metadata().properties().get(&key) else {
-        return Ok(None);
-    };
-    serde_json::from_str(json).map(Some).map_err(|e| {
-        StreamError::external(
-            base.to_owned(),
-            "iceberg",
-            format!("reading the table property {key}"),
-            format!("not the JSON of source positions ({e}): {json}"),
-            false,
-        )
-    })
+    json_property(
+        table,
+        &layout_start_property(base),
+        base,
+        "the JSON of source positions",
+    )
 }
 
 /// Where worker `index` of `layout` starts when it has no checkpoint: its
@@ -186,41 +166,78 @@ fn decide(
     current: Option<&LayoutRecord>,
     legacy: bool,
     worker: Worker,
-    rescale_from: Option<u32>,
+    rescale_from: Option<RescaleFrom>,
 ) -> Decision {
     let n = worker.count();
     match current {
+        // The table's layout is the worker's (also for the other workers of
+        // a rescale, once the first switched).
         Some(record) if record.layout.workers == n => Decision::Join(record.layout),
-        Some(record) if rescale_from == Some(record.layout.workers) => Decision::Switch {
-            to: Layout {
-                generation: record.layout.generation + 1,
-                workers: n,
-            },
-            previous: Some(record.layout),
-            retire: record.layout.sink_ids(base),
-        },
-        Some(record) => Decision::Refuse(format!(
-            "this worker was started as {worker}, but the table's layout of sink `{base}` is {} workers (generation {}, set by {}); start it as I/{} like the others, or, to rescale from {} to {n} workers, start every worker of the new layout with --rescale-from {} (TINYFLOW_RESCALE_FROM)",
-            record.layout.workers,
-            record.layout.generation,
-            record.set_by,
-            record.layout.workers,
-            record.layout.workers,
-            record.layout.workers,
-        )),
+        Some(record) => {
+            let named = RescaleFrom {
+                workers: record.layout.workers,
+                generation: Some(record.layout.generation),
+            };
+            if rescale_from == Some(named) {
+                return Decision::Switch {
+                    to: Layout {
+                        generation: record.layout.generation + 1,
+                        workers: n,
+                    },
+                    previous: Some(record.layout),
+                    retire: record.layout.sink_ids(base),
+                };
+            }
+            let told = match rescale_from {
+                Some(rf) => format!(" with --rescale-from {rf}"),
+                None => String::new(),
+            };
+            Decision::Refuse(format!(
+                "this worker was started as {worker}{told}, but the table's layout of sink `{base}` is {} workers (generation {}, set by {}); start it as I/{} like the others, or, to rescale from that layout to {n} workers, start every worker of the new layout with --rescale-from {named} (TINYFLOW_RESCALE_FROM={named})",
+                record.layout.workers,
+                record.layout.generation,
+                record.set_by,
+                record.layout.workers,
+            ))
+        }
         // The job in one process wrote the table: its positions move to
         // the workers; going from one process to one worker needs no word.
-        None if legacy && n > 1 && rescale_from != Some(1) => Decision::Refuse(format!(
-            "this worker was started as {worker}, but the job ran in one process (sink `{base}`) so far; to spread it over {n} workers, start every worker with --rescale-from 1 (TINYFLOW_RESCALE_FROM=1)"
-        )),
-        None => Decision::Switch {
-            to: Layout {
-                generation: 1,
-                workers: n,
+        None if legacy => {
+            let single = RescaleFrom {
+                workers: 1,
+                generation: None,
+            };
+            if rescale_from == Some(single) || (n == 1 && rescale_from.is_none()) {
+                Decision::Switch {
+                    to: Layout {
+                        generation: 1,
+                        workers: n,
+                    },
+                    previous: None,
+                    // Fences the run of the job in one process, if live.
+                    retire: vec![base.to_owned()],
+                }
+            } else {
+                Decision::Refuse(format!(
+                    "this worker was started as {worker}, but the job ran in one process (sink `{base}`) so far; to spread it over {n} workers, start every worker with --rescale-from 1 (TINYFLOW_RESCALE_FROM=1)"
+                ))
+            }
+        }
+        // A table the job never wrote: a first layout needs no word, and a
+        // rescale from a layout the table does not have is a mistake (a
+        // typo in the sink id or the table would start from scratch).
+        None => match rescale_from {
+            None => Decision::Switch {
+                to: Layout {
+                    generation: 1,
+                    workers: n,
+                },
+                previous: None,
+                retire: vec![base.to_owned()],
             },
-            previous: None,
-            // Fences a run of the job in one process, if one is live.
-            retire: vec![base.to_owned()],
+            Some(rf) => Decision::Refuse(format!(
+                "this worker was started with --rescale-from {rf}, but the table has no layout of sink `{base}` and no commit of it: there is nothing to rescale from (is sink_id or the table misspelled?); a new job's workers start without --rescale-from"
+            )),
         },
     }
 }
@@ -229,7 +246,7 @@ impl SinkTable {
     /// Finds or makes worker `worker`'s place in the layout of this sink
     /// (whose sink id is the job's base): joins the table's layout when it
     /// has `worker.count()` workers; else, when `rescale_from` names the
-    /// table's worker count (or the table has no layout yet), switches the
+    /// table's layout (or the table has no layout yet), switches the
     /// table to a new generation in one commit that retires every old sink
     /// id (raising its epoch, so an old worker still running is fenced
     /// inside its next commit) and records the new layout's start: the old
@@ -238,7 +255,7 @@ impl SinkTable {
     pub(crate) async fn join_layout(
         &self,
         worker: Worker,
-        rescale_from: Option<u32>,
+        rescale_from: Option<RescaleFrom>,
     ) -> StreamResult<Joined> {
         let base = self.config.sink_id.clone();
         let label = self.label();
@@ -281,14 +298,7 @@ impl SinkTable {
                     (table_epoch(&table, id), committed_id(&table, id)),
                 );
             }
-            let set_by = format!(
-                "{} at {}",
-                tinyflow_api::util::this_process(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_secs())
-                    .unwrap_or(0)
-            );
+            let set_by = crate::dedupe::stamp();
             let record = LayoutRecord {
                 layout: to,
                 previous,
@@ -334,6 +344,8 @@ impl SinkTable {
             };
             let catalog = self.catalog().await?;
             let guard = GuardedCatalog::new(catalog.as_ref(), &base, None).requiring(&unchanged);
+            #[cfg(feature = "testing")]
+            let guard = guard.with_hook(self.config.fault_hook.as_ref());
             match tx.commit(&guard).await {
                 Ok(_) => {
                     let mut retired: Vec<String> = seen.into_keys().collect();
@@ -359,9 +371,7 @@ impl SinkTable {
                         tracing::info!(sink = %base, why = %why, "the table moved while switching its layout; deciding again");
                     }
                     None if is_conflict(&e) => {
-                        let pause = jitter(Duration::from_millis(50) * 2u32.pow(round.min(6)));
-                        tracing::info!(sink = %base, pause_ms = pause.as_millis() as u64, "other commits went first; switching the layout again");
-                        tokio::time::sleep(pause).await;
+                        pause_after_conflict(round, &base, "switching the layout").await;
                     }
                     _ => return Err(external(&label, "switching the layout of workers", e)),
                 },
@@ -404,6 +414,10 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn from(s: &str) -> Option<RescaleFrom> {
+        Some(s.parse().unwrap())
+    }
+
     #[test]
     fn a_worker_joins_its_layout_switches_when_told_and_is_refused_otherwise() {
         let three = record(4, 3);
@@ -413,11 +427,11 @@ mod tests {
         );
         // --rescale-from on a table already switched: just join.
         assert_eq!(
-            decide("s", Some(&three), true, w("1/3"), Some(2)),
+            decide("s", Some(&three), true, w("1/3"), from("2@3")),
             Decision::Join(three.layout)
         );
         assert_eq!(
-            decide("s", Some(&three), true, w("0/2"), Some(3)),
+            decide("s", Some(&three), true, w("0/2"), from("3@4")),
             Decision::Switch {
                 to: Layout {
                     generation: 5,
@@ -431,15 +445,16 @@ mod tests {
                 ],
             }
         );
-        // Different counts without the word, or with the wrong one: a
-        // worker of an old layout after a rescale, or a typo.
-        for from in [None, Some(2)] {
-            let Decision::Refuse(m) = decide("s", Some(&three), true, w("0/4"), from) else {
+        // Different counts without the word, with the wrong one, or with
+        // a count alone: a worker of an old layout after a rescale (which
+        // must never rescale the table back), or a typo.
+        for told in [None, from("2@4"), from("3@3"), from("3")] {
+            let Decision::Refuse(m) = decide("s", Some(&three), true, w("0/4"), told) else {
                 panic!("not refused")
             };
             assert!(m.contains("started as 0/4"), "{m}");
             assert!(m.contains("is 3 workers (generation 4"), "{m}");
-            assert!(m.contains("--rescale-from 3"), "{m}");
+            assert!(m.contains("--rescale-from 3@4"), "{m}");
         }
     }
 
@@ -462,13 +477,18 @@ mod tests {
         };
         assert!(m.contains("--rescale-from 1"), "{m}");
         assert!(matches!(
-            decide("s", None, true, w("2/3"), Some(1)),
+            decide("s", None, true, w("2/3"), from("1")),
             Decision::Switch { .. }
         ));
         assert!(matches!(
             decide("s", None, true, w("0/1"), None),
             Decision::Switch { .. }
         ));
+        // A rescale of a table the job never wrote: a mistake, refused.
+        let Decision::Refuse(m) = decide("s", None, false, w("0/2"), from("3@1")) else {
+            panic!("not refused")
+        };
+        assert!(m.contains("nothing to rescale from"), "{m}");
     }
 
     #[test]

@@ -166,13 +166,13 @@ impl IcebergSink {
     /// whose base sink id is this sink's (see the `layout` module): joins
     /// the table's layout when it has as many workers; switches the table
     /// to a new layout when it has none yet or `rescale_from` names its
-    /// worker count, retiring (fencing) the old sink ids and recording where
+    /// layout (`N@G`), retiring (fencing) the old sink ids and recording where
     /// the new workers start; else refuses with a `Config` error that names
     /// the conflict. The worker then runs a sink with [`Joined::sink_id`].
     pub async fn join_layout(
         &self,
         worker: tinyflow_api::Worker,
-        rescale_from: Option<u32>,
+        rescale_from: Option<tinyflow_api::RescaleFrom>,
     ) -> StreamResult<Joined> {
         self.table.join_layout(worker, rescale_from).await
     }

@@ -10,7 +10,6 @@
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use iceberg::io::{FileIO, FileIOBuilder};
 use iceberg::spec::{
@@ -24,7 +23,7 @@ use tinyflow_api::{CheckpointId, JobPositions, StreamError, StreamResult};
 use tokio::sync::OnceCell;
 
 use crate::catalog::{
-    GuardedCatalog, external, is_conflict, is_local_warehouse, jitter, open_catalog,
+    GuardedCatalog, external, is_conflict, is_local_warehouse, open_catalog, pause_after_conflict,
 };
 use crate::config::{Column, ColumnType, IcebergSinkConfig, TableSpec};
 use crate::dedupe::{
@@ -212,11 +211,7 @@ impl SinkTable {
             let current = table_epoch(&table, sink);
             let mine = current + 1;
             let uuid = table.metadata().uuid().to_string();
-            let at = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
-            let owner = format!("{} at {at}", tinyflow_api::util::this_process());
+            let owner = crate::dedupe::stamp();
             let tx = Transaction::new(&table);
             let append = tx.fast_append().set_snapshot_properties(HashMap::from([
                 (SUMMARY_EPOCH_CLAIM.to_owned(), sink.clone()),
@@ -255,9 +250,7 @@ impl SinkTable {
                         });
                     }
                     None if is_conflict(&e) => {
-                        let pause = jitter(Duration::from_millis(50) * 2u32.pow(round.min(6)));
-                        tracing::info!(sink = %label, pause_ms = pause.as_millis() as u64, "other commits went first; claiming again");
-                        tokio::time::sleep(pause).await;
+                        pause_after_conflict(round, &label, "claiming").await;
                     }
                     _ => return Err(external(&label, "claiming the sink's epoch", e)),
                 },

@@ -345,7 +345,7 @@ impl KafkaSourceConfig {
 
     /// Whether subtask `subtask` of `parallelism` of this source reads
     /// `partition` of `topic`. Partitions are dealt in two rounds by the
-    /// same rule ([`owner`]): first to the workers, then each worker's share
+    /// same round-robin rule: first to the workers, then each worker's share
     /// to its subtasks, so the partitions of a worker depend only on the
     /// number of workers and a worker's parallelism may change without
     /// moving a partition to another worker. With one worker this is the

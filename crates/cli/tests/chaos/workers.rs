@@ -1,6 +1,7 @@
 //! One job as several worker processes (`tinyflow run --worker I/N`) on the
-//! real broker, committing to one table: a worker killed and restarted
-//! again and again, a worker started a second time elsewhere (the older
+//! real broker, committing to one table: the job first runs in one process,
+//! then is spread over 3 workers (`--rescale-from 1`); a worker killed and
+//! restarted again and again, a worker started a second time elsewhere (the older
 //! one is fenced inside its next commit), a rescale 3 -> 2 while the old
 //! workers still run (they are fenced, and an old worker started again is
 //! refused), a rescale 2 -> 4 after a clean stop; records are produced all
@@ -114,9 +115,13 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
         dir: dir.clone(),
         next: 0,
     };
+    // The job in one process first, stopped cleanly.
+    let mut single = spawn.worker(&job, &[], &[]);
+    commits(&mut single, "the job in one process");
+    single.stop();
     // Three workers start at once: one of them makes the table's first
-    // layout, the others join it.
-    let mut three = spawn.workers(&job, 3, &[]);
+    // layout from the single process's commits, the others join it.
+    let mut three = spawn.workers(&job, 3, &["--rescale-from", "1"]);
     for (i, w) in three.iter_mut().enumerate() {
         commits(w, &format!("worker {i}/3"));
     }
@@ -148,7 +153,7 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
     // Rescale 3 -> 2 while the old workers run (as in a rolling update):
     // the first new worker retires the old layout in the table; each old
     // worker is fenced at its next commit.
-    let mut two = spawn.workers(&job, 2, &["--rescale-from", "3"]);
+    let mut two = spawn.workers(&job, 2, &["--rescale-from", "3@1"]);
     for (i, old) in three.iter_mut().enumerate() {
         let log = exits_with(old, 3, &format!("old worker {i}/3 after the rescale"));
         assert!(log.contains("retired by layout generation 2"), "{log}");
@@ -164,6 +169,10 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
             && log.contains("is 2 workers (generation 2"),
         "{log}"
     );
+    // So is the job in one process, on a table its workers write.
+    let mut late = spawn.worker(&job, &[], &[]);
+    let log = exits_with(&mut late, 2, "the job in one process after the rescale");
+    assert!(log.contains("is written by 2 workers"), "{log}");
 
     // Rescale 2 -> 4 after a clean stop, the new workers told by the
     // environment, as a StatefulSet does.
@@ -179,7 +188,7 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
                 &[
                     ("TINYFLOW_WORKERS", "4"),
                     ("TINYFLOW_WORKER_INDEX", pod.as_str()),
-                    ("TINYFLOW_RESCALE_FROM", "2"),
+                    ("TINYFLOW_RESCALE_FROM", "2@2"),
                 ],
             )
         })
@@ -218,7 +227,7 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
                 .contains("switched the table to a new layout")
         })
         .count();
-    // The first layout, 3 -> 2 and 2 -> 4: one switch each.
+    // One process -> 3, 3 -> 2 and 2 -> 4: one switch each.
     assert_eq!(switched, 3, "layout switches in the logs");
     for w in four {
         w.stop();
@@ -230,8 +239,10 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
         serde_json::from_str(props["tinyflow.layout.chaos"].as_str().unwrap()).unwrap();
     assert_eq!(layout["generation"], 3, "{table}");
     assert_eq!(layout["workers"], 4, "{table}");
-    for i in 0..3 {
-        let id = format!("tinyflow.sink.chaos.w{i}-of-3.g1.retired");
+    let mut retired = vec!["tinyflow.sink.chaos.retired".to_owned()];
+    retired.extend((0..3).map(|i| format!("tinyflow.sink.chaos.w{i}-of-3.g1.retired")));
+    retired.extend((0..2).map(|i| format!("tinyflow.sink.chaos.w{i}-of-2.g2.retired")));
+    for id in retired {
         assert!(props[&id].is_string(), "{id} missing: {table}");
     }
 }
@@ -268,10 +279,10 @@ async fn a_worker_serves_healthz_readyz_and_metrics_labelled_with_the_worker() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
     let job = dir.join("job.toml");
-    // The first checkpoint comes 3 s after the start: time to see the
+    // The first checkpoint comes 5 s after the start: time to see the
     // worker alive but not ready.
     let text =
-        job_text(&dir, &bootstrap, &topic, "").replace("interval = \"300ms\"", "interval = \"3s\"");
+        job_text(&dir, &bootstrap, &topic, "").replace("interval = \"300ms\"", "interval = \"5s\"");
     std::fs::write(
         &job,
         format!("{text}\n[metrics]\naddress = \"127.0.0.1:{port}\"\n"),
@@ -295,9 +306,14 @@ async fn a_worker_serves_healthz_readyz_and_metrics_labelled_with_the_worker() {
     let (code, body) = get(port, "/readyz").unwrap();
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("no checkpoint completed yet"), "{body}");
-    commits(&mut run, "the worker");
+    assert!(
+        run.wait_for("checkpoint completed", Duration::from_secs(60)),
+        "no checkpoint within 60 s; log: {}",
+        std::fs::read_to_string(&run.log).unwrap_or_default()
+    );
     let (code, body) = get(port, "/readyz").unwrap();
     assert_eq!(code, 200, "{body}");
+    assert!(body.starts_with("ready: "), "{body}");
     let (code, metrics) = get(port, "/metrics").unwrap();
     assert_eq!(code, 200);
     assert!(
