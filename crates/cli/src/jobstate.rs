@@ -378,10 +378,7 @@ pub async fn reset(plan: &JobPlan, to: ResetTo) -> anyhow::Result<Vec<String>> {
     let epoch = plan.iceberg.claim().await?;
     let committed = plan.iceberg.last_committed().await?.map(|c| c.get());
     let positions = plan.iceberg.committed_positions().await?;
-    let at = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let at = reset_time();
     let aside = format!("reset-{at}");
     let moved = store.set_aside(&aside).await?;
     let mut done = vec![
@@ -429,6 +426,15 @@ pub async fn reset(plan: &JobPlan, to: ResetTo) -> anyhow::Result<Vec<String>> {
     Ok(done)
 }
 
+/// The time of a reset, in seconds since the Unix epoch: it names the
+/// folder the checkpoints are set aside in, `reset-<seconds>`.
+fn reset_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
 /// [`reset`] of checkpoints on object storage: claims the sink and sets the
 /// checkpoints aside under `reset-<time>/`; the next run starts from the
 /// table. Only `--to-table`: there is no reset file on object storage, and
@@ -456,10 +462,7 @@ async fn reset_object(
     )
     .await?;
     let epoch = plan.iceberg.claim().await?;
-    let at = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let at = reset_time();
     let aside = format!("reset-{at}");
     let moved = store.set_aside(&aside).await?;
     Ok(vec![

@@ -128,7 +128,7 @@ pub fn worker_start(
     })
 }
 
-/// A worker's place in its job's layout, as [`SinkTable::join_layout`]
+/// A worker's place in its job's layout, as [`IcebergSink::join_layout`](crate::IcebergSink::join_layout)
 /// found or made it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Joined {
