@@ -26,7 +26,7 @@ use tinyflow_connectors_iceberg::{
 use tinyflow_connectors_kafka::{StartPosition, decode_positions};
 use tinyflow_runtime::state::{NodeState, TaskSnapshot};
 
-use crate::{JobPlan, Placement};
+use crate::{Checkpoints, JobPlan, Placement};
 
 /// The reset file's name in the checkpoint directory.
 pub const RESET_FILE: &str = "reset.json";
@@ -231,8 +231,8 @@ pub async fn inspect(plan: &JobPlan) -> anyhow::Result<Agreement> {
             Err(e) => println!("  source positions of that commit: {e}"),
         }
     }
-    let latest = match &plan.checkpoint_object {
-        Some(o) => {
+    let latest = match &plan.checkpoints {
+        Checkpoints::Object(o) => {
             println!("checkpoints on object storage at {}", o.location);
             crate::checkpoint_storage::peek_object_latest(
                 &o.location,
@@ -241,8 +241,7 @@ pub async fn inspect(plan: &JobPlan) -> anyhow::Result<Agreement> {
             )
             .await?
         }
-        None => {
-            let dir = &plan.checkpoint_dir;
+        Checkpoints::Dir(dir) => {
             println!("checkpoint directory {}", dir.display());
             match LocalDirStore::holder(dir) {
                 Ok(Some(holder)) => println!("  held by a run: {holder}"),
@@ -367,10 +366,10 @@ pub async fn reset(plan: &JobPlan, to: ResetTo) -> anyhow::Result<Vec<String>> {
     // Workers start from the table by themselves; a reset of the job in
     // one process would not reach them.
     plan.check_single().await?;
-    if let Some(o) = &plan.checkpoint_object {
-        return reset_object(plan, o, to).await;
-    }
-    let dir = &plan.checkpoint_dir;
+    let dir = match &plan.checkpoints {
+        Checkpoints::Dir(dir) => dir,
+        Checkpoints::Object(o) => return reset_object(plan, o, to).await,
+    };
     // Takes the directory's lock: a run holding it turns this away.
     let store = LocalDirStore::open(dir, plan.job_id.clone(), plan.retained)
         .await

@@ -24,7 +24,7 @@ pub use jobfile::{
     FieldSection, JobFile, JobSection, MetricsSection, PartitionSection, RestartSection,
     SinkSection, SourceSection, TransformSection,
 };
-pub use plan::{JobPlan, ObjectCheckpoints, Placement, absolute_path};
+pub use plan::{Checkpoints, JobPlan, ObjectCheckpoints, Placement, absolute_path};
 pub use prometheus::{Endpoint, counters_line, install_metrics, metric_sum};
 pub use transform::Transforms;
 

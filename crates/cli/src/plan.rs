@@ -57,6 +57,25 @@ pub struct ObjectCheckpoints {
     pub properties: HashMap<String, String>,
 }
 
+/// Where a plan's checkpoints are kept (`checkpoint.dir`; a worker's under
+/// its own sink id in it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Checkpoints {
+    /// A local directory.
+    Dir(PathBuf),
+    /// Object storage (`s3://bucket/prefix`).
+    Object(ObjectCheckpoints),
+}
+
+impl std::fmt::Display for Checkpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Checkpoints::Dir(d) => write!(f, "{}", d.display()),
+            Checkpoints::Object(o) => f.write_str(&o.location),
+        }
+    }
+}
+
 /// A checked job file, ready to run.
 #[derive(Debug)]
 pub struct JobPlan {
@@ -68,11 +87,8 @@ pub struct JobPlan {
     pub output_schema: SchemaRef,
     /// How it runs.
     pub runtime: RuntimeConfig,
-    /// Where checkpoints go, when on a local directory.
-    pub checkpoint_dir: PathBuf,
-    /// Where checkpoints go, when on object storage (`checkpoint.dir =
-    /// "s3://..."`); then `checkpoint_dir` is not used.
-    pub checkpoint_object: Option<ObjectCheckpoints>,
+    /// Where checkpoints go.
+    pub checkpoints: Checkpoints,
     /// Checkpoints kept.
     pub retained: usize,
     /// The Prometheus endpoint, if any.
@@ -867,7 +883,7 @@ impl JobFile {
         let sc = self.plan_sink(&output_schema, evolution.is_some())?;
         let (runtime, retained) = self.plan_runtime()?;
         let (metrics_address, metrics_linger) = self.plan_metrics()?;
-        let (s, k, c) = (&self.source, &self.sink, &self.checkpoint);
+        let (s, k) = (&self.source, &self.sink);
 
         let sink = match reuse {
             Some(sink) => sink.clone(),
@@ -902,16 +918,7 @@ impl JobFile {
             source_schema,
             output_schema,
             runtime,
-            checkpoint_object: self.plan_object_checkpoints()?,
-            checkpoint_dir: {
-                let dir = absolute_path(c.dir.as_deref().unwrap_or("tinyflow-checkpoints"));
-                // Each worker keeps its checkpoints apart, by its sink id,
-                // so a layout's checkpoints are never restored by another.
-                match &self.placement {
-                    Some(p) => dir.join(&p.sink_id),
-                    None => dir,
-                }
-            },
+            checkpoints: self.plan_checkpoints()?,
             retained,
             metrics_address,
             metrics_linger,
@@ -1106,34 +1113,34 @@ impl JobFile {
         Ok(sc)
     }
 
-    /// `checkpoint.dir` on object storage, with its settings; `None` for a
-    /// local directory.
-    fn plan_object_checkpoints(&self) -> Result<Option<ObjectCheckpoints>, JobFileError> {
+    /// `checkpoint.dir` (and `checkpoint.storage`): a local directory, or
+    /// object storage with its settings. Each worker keeps its checkpoints
+    /// apart, under its sink id, so a layout's checkpoints are never
+    /// restored by another.
+    fn plan_checkpoints(&self) -> Result<Checkpoints, JobFileError> {
         let c = &self.checkpoint;
-        if let Some(d) = c.dir.as_deref()
-            && d.contains("://")
-            && !is_object_location(d)
-        {
-            return Err(err(
-                "checkpoint.dir",
-                format!("`{d}`: expected a local directory or s3://bucket/prefix"),
-            ));
-        }
-        let Some(dir) = c.dir.as_deref().filter(|d| is_object_location(d)) else {
+        let dir = c.dir.as_deref().unwrap_or("tinyflow-checkpoints");
+        let worker = self.placement.as_ref().map(|p| p.sink_id.as_str());
+        if !is_object_location(dir) {
+            if dir.contains("://") {
+                return Err(err(
+                    "checkpoint.dir",
+                    format!("`{dir}`: expected a local directory or s3://bucket/prefix"),
+                ));
+            }
             if c.storage.is_some() {
                 return Err(err(
                     "checkpoint.storage",
                     "only for checkpoints on object storage (checkpoint.dir = \"s3://bucket/prefix\")",
                 ));
             }
-            return Ok(None);
-        };
+            let dir = absolute_path(dir);
+            return Ok(Checkpoints::Dir(
+                worker.map_or_else(|| dir.clone(), |w| dir.join(w)),
+            ));
+        }
         let base = dir.trim_end_matches('/');
-        let location = match &self.placement {
-            // Each worker keeps its checkpoints apart, by its sink id.
-            Some(p) => format!("{base}/{}", p.sink_id),
-            None => base.to_owned(),
-        };
+        let location = worker.map_or_else(|| base.to_owned(), |w| format!("{base}/{w}"));
         let properties: HashMap<String, String> = match &c.storage {
             Some(s) => s.clone().into_iter().collect(),
             None => self.sink.catalog.properties.clone().into_iter().collect(),
@@ -1141,7 +1148,7 @@ impl JobFile {
         tinyflow_api::secrets::register_settings(
             properties.iter().map(|(k, v)| (k.as_str(), v.as_str())),
         );
-        Ok(Some(ObjectCheckpoints {
+        Ok(Checkpoints::Object(ObjectCheckpoints {
             location,
             properties,
         }))
@@ -1376,42 +1383,29 @@ impl JobPlan {
     /// Like [`run`](Self::run); `stop` ends the job with a final checkpoint
     /// that the sink commits (what `tinyflow run` does on SIGTERM).
     pub async fn run_until_stopped(self, stop: StopHandle) -> anyhow::Result<JobReport> {
-        let (store, fresh, checkpoints): (Arc<dyn CheckpointStore>, bool, String) = match &self
-            .checkpoint_object
-        {
-            None => {
-                let store =
-                    LocalDirStore::open(&self.checkpoint_dir, self.job_id.clone(), self.retained)
-                        .await
-                        .with_context(|| {
-                            format!("checkpoint.dir {}", self.checkpoint_dir.display())
-                        })?;
-                // No checkpoint to restore (none, or none readable).
-                let fresh = store.latest().await?.is_none();
-                (
-                    Arc::new(store),
-                    fresh,
-                    self.checkpoint_dir.display().to_string(),
-                )
-            }
-            Some(o) => {
-                let store = crate::checkpoint_storage::open_object_store(
+        let store: Arc<dyn CheckpointStore> = match &self.checkpoints {
+            Checkpoints::Dir(dir) => Arc::new(
+                LocalDirStore::open(dir, self.job_id.clone(), self.retained)
+                    .await
+                    .with_context(|| format!("checkpoint.dir {}", dir.display()))?,
+            ),
+            Checkpoints::Object(o) => Arc::new(
+                crate::checkpoint_storage::open_object_store(
                     &o.location,
                     &o.properties,
                     self.job_id.clone(),
                     self.retained,
                 )
                 .await
-                .with_context(|| format!("checkpoint.dir {}", o.location))?;
-                // No checkpoint to restore (none, or none readable).
-                let fresh = store.latest().await?.is_none();
-                (Arc::new(store), fresh, o.location.clone())
-            }
+                .with_context(|| format!("checkpoint.dir {}", o.location))?,
+            ),
         };
+        // No checkpoint to restore (none, or none readable).
+        let fresh = store.latest().await?.is_none();
         let table = format!("{}.{}", self.sink.namespace.join("."), self.sink.table);
         tracing::info!(
             job = %self.job_id,
-            checkpoints = %checkpoints,
+            checkpoints = %self.checkpoints,
             catalog = %self.sink.catalog.describe(),
             table = %table,
             sink = %self.sink.sink_id,
@@ -1426,9 +1420,9 @@ impl JobPlan {
             let epoch = self.iceberg.claim().await?;
             let committed = self.iceberg.last_committed().await?.map(|c| c.get());
             // `tinyflow reset` leaves its word in a local directory only.
-            let reset = match &self.checkpoint_object {
-                None => crate::jobstate::ResetFile::read(&self.checkpoint_dir)?,
-                Some(_) => None,
+            let reset = match &self.checkpoints {
+                Checkpoints::Dir(dir) => crate::jobstate::ResetFile::read(dir)?,
+                Checkpoints::Object(_) => None,
             };
             let start = match reset {
                 Some(reset) if reset.table_committed == committed => {
@@ -1537,8 +1531,8 @@ mod tests {
             .and_then(|f| f.plan())
             .unwrap();
         assert_eq!(
-            plan.checkpoint_dir,
-            std::path::Path::new("/var/lib/tinyflow-test/checkpoints")
+            plan.checkpoints,
+            super::Checkpoints::Dir("/var/lib/tinyflow-test/checkpoints".into())
         );
         assert!(
             plan.sink

@@ -328,18 +328,42 @@ fn bid_json(id: u64) -> Vec<u8> {
     .into_bytes()
 }
 
-/// `GET /metrics` over plain HTTP; the body, or `None` while the endpoint
-/// is not up.
-fn scrape(port: u16) -> Option<String> {
+/// A loopback port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET path` over plain HTTP: the status code and the body, or `None`
+/// while nothing listens.
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut out = String::new();
     s.read_to_string(&mut out).ok()?;
     let (head, body) = out.split_once("\r\n\r\n")?;
-    (head.starts_with("HTTP/1.") && head.contains(" 200 ")).then(|| body.to_owned())
+    if !head.starts_with("HTTP/1.") {
+        return None;
+    }
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_owned()))
+}
+
+/// `GET /metrics` over plain HTTP; the body, or `None` while the endpoint
+/// is not up.
+fn scrape(port: u16) -> Option<String> {
+    get(port, "/metrics")
+        .filter(|(code, _)| *code == 200)
+        .map(|(_, body)| body)
 }
 
 /// A bounded job with `metrics.linger` logs its final counters when it
@@ -364,11 +388,7 @@ async fn a_bounded_job_logs_its_final_counters_and_serves_them_while_it_lingers(
         }),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
     let job = dir.join("job.toml");
@@ -1430,11 +1450,7 @@ async fn a_wrong_password_fails_the_secured_job_within_30_s_with_exit_2_and_no_s
 /// saying what it could not reach.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_broker_fails_the_job_within_2_minutes() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
     let job = dir.join("job.toml");

@@ -247,35 +247,13 @@ async fn three_workers_killed_fenced_and_rescaled_to_2_then_4_leave_every_record
     }
 }
 
-/// `GET path` over plain HTTP: the status code and the body, or `None`
-/// while nothing listens.
-fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    let (head, body) = out.split_once("\r\n\r\n")?;
-    let code = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, body.to_owned()))
-}
-
 /// A worker's endpoint: `/healthz` answers as soon as it serves, `/readyz`
 /// only once a checkpoint completed (503 with the reason before), and
 /// every metric carries the worker's label.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_serves_healthz_readyz_and_metrics_labelled_with_the_worker() {
     let (bootstrap, topic) = fresh_topic("probe-bids", 1_000).await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_path_buf();
     let job = dir.join("job.toml");
