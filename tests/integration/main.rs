@@ -17,6 +17,10 @@
 //! - `iceberg_sink`: the Iceberg sink on a sqlite catalog: crashes at every step of the commit,
 //!   two sinks on one table, snapshot expiry, cadence, open-file cap, orphans; whole jobs
 //!   with failures, read back by pyiceberg, on sqlite and on PostgreSQL.
+//! - `iceberg_maintenance`: table maintenance: expiry deletes only what expired snapshots
+//!   alone named (also after another engine deleted rows) and the metadata files past the
+//!   kept versions, a dry run says exactly what goes, the dedupe marker survives, and a job
+//!   failing again and again with a round after every commit leaves each row once.
 //! - `iceberg_identity`: the table is the truth: restored checkpoints that disagree with
 //!   their table (dropped, created again, lost with the warehouse, restored from an older
 //!   backup, data files deleted) are refused; two live runs of one sink, the newer fences
@@ -57,6 +61,8 @@ mod checkpoint_props;
 mod checkpoint_store;
 mod iceberg_identity;
 mod iceberg_layout;
+mod iceberg_maintenance;
+mod iceberg_merge;
 mod iceberg_sink;
 mod kafka_avro;
 mod kafka_dead_letter;

@@ -314,6 +314,15 @@ impl<T: Data> Stream<T> {
         self
     }
 
+    /// Splits each batch over the next operator's subtasks with
+    /// `partitioner` (Flink's `partitionCustom`): a sink that routes rows by
+    /// what it will write them as, such as an Iceberg sink by table
+    /// partition. The next operator sees no keyed state from it.
+    pub fn partition_custom(mut self, partitioner: Arc<dyn Partitioner>) -> Self {
+        self.next = Some(Partitioning::Hash(partitioner));
+        self
+    }
+
     pub(crate) fn then<U: Data>(
         self,
         name: &str,

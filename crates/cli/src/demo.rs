@@ -24,8 +24,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tinyflow_cli::nexmark::{BID_FIELDS, bids};
 use tinyflow_cli::{
     CatalogSection, CheckpointSection, CommitSection, ComputeSection, FieldSection, JobFile,
-    JobSection, MetricsSection, PartitionSection, RestartSection, SinkSection, SourceSection,
-    TransformSection, format_duration, install_metrics, metric_sum, parse_duration,
+    JobSection, MaintenanceSection, MetricsSection, PartitionSection, RestartSection, SinkSection,
+    SourceSection, TransformSection, format_duration, install_metrics, metric_sum, parse_duration,
 };
 use tinyflow_connectors_iceberg::{TableReader, scan_longs, total_records};
 use tinyflow_connectors_kafka::{EmbeddedKafka, RecordProducer};
@@ -130,10 +130,14 @@ fn job_file(bootstrap: &str, dir: &Path, args: &DemoArgs) -> JobFile {
             sink_id: None,
             parallelism: None,
             target_file_size: None,
+            distribution: None,
+            max_writer_memory: None,
+            max_open_files: None,
             compression: None,
             bad_records: None,
             schema_evolution: None,
             commit: CommitSection::default(),
+            maintenance: MaintenanceSection::default(),
         },
         checkpoint: CheckpointSection {
             interval: Some(format_duration(args.checkpoint_interval)),

@@ -272,8 +272,19 @@ pub struct SinkSection {
     pub sink_id: Option<String>,
     /// Writer subtasks (default `job.parallelism`).
     pub parallelism: Option<usize>,
-    /// Roll files at this many bytes (default 128 MiB).
+    /// Roll files at this many bytes (default 128 MiB); merged files are
+    /// made near this size too.
     pub target_file_size: Option<u64>,
+    /// How rows reach the writer subtasks: `hash` (default) by table
+    /// partition, so each writer writes a share of the partitions; `none`
+    /// as they come (round-robin).
+    pub distribution: Option<String>,
+    /// Bytes of rows a writer subtask may buffer in its open files
+    /// (default 256 MiB); past it, it closes its largest files.
+    pub max_writer_memory: Option<u64>,
+    /// Files a writer subtask may hold open (default 256); past it, it
+    /// closes the least recently used.
+    pub max_open_files: Option<u64>,
     /// `zstd(LEVEL)` (default `zstd(1)`), `zstd` (level 3), `snappy` or `none`.
     pub compression: Option<String>,
     /// Rows that do not fit the table: `fail` (default) or `skip`.
@@ -285,6 +296,9 @@ pub struct SinkSection {
     /// `[sink.commit]`
     #[serde(default)]
     pub commit: CommitSection,
+    /// `[sink.maintenance]`
+    #[serde(default)]
+    pub maintenance: MaintenanceSection,
 }
 
 fn yes() -> bool {
@@ -341,6 +355,43 @@ pub struct CommitSection {
     pub interval: Option<String>,
     /// Once the uncommitted files hold this many bytes.
     pub max_pending_bytes: Option<u64>,
+    /// Merge the small files of the checkpoints a commit takes, per
+    /// partition, into files near `sink.target_file_size` before
+    /// committing (default true).
+    pub merge: Option<bool>,
+    /// How long a commit waits for its merge (default `2m`); past it the
+    /// merge is abandoned and the small files are committed.
+    pub merge_timeout: Option<String>,
+}
+
+/// `[sink.maintenance]`: table upkeep, in the job (on unless `enabled =
+/// false`) and by `tinyflow maintain`: snapshot expiry, the files only
+/// expired snapshots referenced, old metadata files.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MaintenanceSection {
+    /// Whether the job runs it (default true); `tinyflow maintain` runs
+    /// the policy either way.
+    pub enabled: Option<bool>,
+    /// Expire snapshots older than this (default `1h`); `off`: none expire.
+    pub expire_older_than: Option<String>,
+    /// Snapshots kept whatever their age (default 10, at least 1).
+    pub retain_last: Option<usize>,
+    /// Previous metadata files kept, older ones deleted (default 20); `off`:
+    /// metadata files are left alone.
+    pub metadata_versions_max: Option<CountOrOff>,
+    /// Between the starts of two rounds in the job (default `1m`).
+    pub every: Option<String>,
+}
+
+/// A count, or the word `off`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum CountOrOff {
+    /// A count.
+    Count(usize),
+    /// A word; only `off` is taken.
+    Word(String),
 }
 
 /// `[checkpoint]`

@@ -11,6 +11,7 @@ mod duration;
 mod evolve;
 mod jobfile;
 pub mod jobstate;
+pub mod maintain;
 pub mod nexmark;
 mod plan;
 mod prometheus;
@@ -20,15 +21,15 @@ mod transform;
 pub use duration::{format_duration, parse_duration};
 pub use evolve::LiveColumns;
 pub use jobfile::{
-    CatalogSection, CheckpointSection, CommitSection, ComputeSection, EventTimeSection,
-    FieldSection, JobFile, JobSection, MetricsSection, PartitionSection, RestartSection,
-    SinkSection, SourceSection, TransformSection,
+    CatalogSection, CheckpointSection, CommitSection, ComputeSection, CountOrOff, EventTimeSection,
+    FieldSection, JobFile, JobSection, MaintenanceSection, MetricsSection, PartitionSection,
+    RestartSection, SinkSection, SourceSection, TransformSection,
 };
 pub use plan::{Checkpoints, JobPlan, ObjectCheckpoints, Placement, absolute_path};
 pub use prometheus::{Endpoint, counters_line, install_metrics, metric_sum};
 pub use transform::Transforms;
 
-/// The exit codes of `tinyflow run` (and `inspect`, `reset`): what happened,
+/// The exit codes of `tinyflow run` (and `inspect`, `reset`, `maintain`): what happened,
 /// for a supervisor or a script.
 pub mod exit {
     /// The job ended (a bounded job read everything, or a stop took a final

@@ -86,6 +86,30 @@ enum Command {
         #[arg(long, value_name = "I/N")]
         worker: Option<String>,
     },
+    /// One round of table maintenance on the job's table, with the job
+    /// file's `[sink.maintenance]` policy (the flags override it): expires
+    /// snapshots, deletes the files only they referenced and the metadata
+    /// files past the kept versions. For tables no job maintains; safe
+    /// beside a running job (its commits and this one's are ordered by the
+    /// catalog). Exit 0 when done, 1 when it failed or left files behind,
+    /// 2 on a configuration error.
+    Maintain {
+        /// The job file.
+        job: PathBuf,
+        /// Expire snapshots older than this (`1h`, `0s`), or `off`.
+        #[arg(long, value_name = "DURATION")]
+        older_than: Option<String>,
+        /// Keep at least this many snapshots, whatever their age.
+        #[arg(long, value_name = "N")]
+        retain_last: Option<usize>,
+        /// Keep this many previous metadata files, or `off` (leave them).
+        #[arg(long, value_name = "N")]
+        metadata_versions_max: Option<String>,
+        /// Change nothing; print what would expire and every file that
+        /// would be deleted.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 /// Standard error with every registered secret masked
@@ -228,6 +252,33 @@ fn main() -> ExitCode {
             Command::Inspect(args) => {
                 init_tracing("warn", None);
                 inspect::run(args).await
+            }
+            Command::Maintain {
+                job,
+                older_than,
+                retain_last,
+                metadata_versions_max,
+                dry_run,
+            } => {
+                init_tracing("warn", None);
+                let file = JobFile::load(&job)?;
+                let overrides = tinyflow_cli::maintain::Overrides {
+                    older_than,
+                    retain_last,
+                    metadata_versions_max,
+                    dry_run,
+                };
+                let done = tinyflow_cli::maintain::maintain(&file, &overrides).await?;
+                for line in &done.lines {
+                    println!("{}", tinyflow_api::secrets::scrub(line));
+                }
+                if !done.problems.is_empty() {
+                    anyhow::bail!(
+                        "the round left files behind (nothing a snapshot needs was deleted): {}",
+                        done.problems.join("; ")
+                    );
+                }
+                Ok(())
             }
             Command::Reset {
                 job,

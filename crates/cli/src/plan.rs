@@ -13,9 +13,9 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use tinyflow_api::{JobBuilder, JobGraph, JobId, OperatorContext, StreamError, Worker};
 use tinyflow_checkpoint::{CheckpointConfig, CheckpointStore, LocalDirStore};
 use tinyflow_connectors_iceberg::{
-    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, IcebergSink,
-    IcebergSinkConfig, Layout, PartitionField, TableSpec, is_s3_location, table_layout,
-    worker_start,
+    BadRecords, CatalogConfig, Column, ColumnType, CommitCadence, Compression, Distribution,
+    IcebergSink, IcebergSinkConfig, Layout, PartitionField, TableSpec, is_s3_location,
+    table_layout, worker_start,
 };
 #[cfg(feature = "chaos")]
 use tinyflow_connectors_iceberg::{CommitStep, Fault, FaultHook};
@@ -596,7 +596,7 @@ fn source_config(s: &SourceSection, job: &str) -> Result<KafkaSourceConfig, JobF
     Ok(c)
 }
 
-fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
+pub(crate) fn catalog(c: &CatalogSection) -> Result<CatalogConfig, JobFileError> {
     let name = c.name.clone().unwrap_or_else(|| "tinyflow".to_owned());
     let properties: HashMap<String, String> = c.properties.clone().into_iter().collect();
     let unused = |key: &str, given: bool, what: &str| {
@@ -1080,6 +1080,23 @@ impl JobFile {
             sc.target_file_size =
                 usize::try_from(b).map_err(|_| err("sink.target_file_size", "too large"))?;
         }
+        if let Some(n) = k.max_open_files {
+            sc.max_open_writers =
+                usize::try_from(n).map_err(|_| err("sink.max_open_files", "too large"))?;
+        }
+        if let Some(b) = k.max_writer_memory {
+            sc.max_writer_memory =
+                usize::try_from(b).map_err(|_| err("sink.max_writer_memory", "too large"))?;
+        }
+        if let Some(d) = &k.distribution {
+            sc.distribution = Distribution::parse(d).map_err(|m| err("sink.distribution", m))?;
+        }
+        if let Some(merge) = k.commit.merge {
+            sc.merge_pending = merge;
+        }
+        if let Some(t) = &k.commit.merge_timeout {
+            sc.merge_timeout = duration("sink.commit.merge_timeout", t)?;
+        }
         if let Some(c) = &k.compression {
             sc.compression = c
                 .parse::<Compression>()
@@ -1100,6 +1117,7 @@ impl JobFile {
                 .transpose()?,
             max_pending_bytes: k.commit.max_pending_bytes,
         };
+        sc.maintenance = crate::maintain::in_job(&k.maintenance, self.placement.as_ref())?;
         #[cfg(feature = "chaos")]
         {
             sc.fault_hook = chaos_commit_pause();
@@ -1225,13 +1243,17 @@ fn chaos_commit_pause() -> Option<FaultHook> {
     Some(Arc::new(move |step| {
         Box::pin(async move {
             let at = match step {
-                CommitStep::BeforeUpdate { .. } => "before",
-                CommitStep::AfterUpdate { .. } => "after",
+                CommitStep::BeforeUpdate { .. } => "commit paused before update",
+                CommitStep::AfterUpdate { .. } => "commit paused after update",
                 CommitStep::Refreshed { .. } => return Fault::Proceed,
+                CommitStep::MergePlanned => "merge paused planned",
+                CommitStep::MergeWriting => "merge paused writing",
+                CommitStep::MergeWritten => "merge paused written",
+                CommitStep::MergeCommitted => "merge paused committed",
             };
             #[allow(clippy::print_stderr, reason = "the chaos test watches stderr for it")]
             {
-                eprintln!("CHAOS commit paused {at} update");
+                eprintln!("CHAOS {at}");
             }
             tokio::time::sleep(Duration::from_millis(ms)).await;
             Fault::Proceed
@@ -1654,7 +1676,7 @@ mod tests {
             crate::counters_line(text),
             "records_read=1000 bad_records=6 (invalid_json=5 schema_mismatch=1) rows_written=994 \
              rows_skipped_by_sink=0 checkpoints_completed=7 checkpoints_failed=1 commits=7 \
-             commit_attempts=0 commit_conflicts=0"
+             commit_attempts=0 commit_conflicts=0 merges=0 merge_failures=0"
         );
     }
 
@@ -1663,7 +1685,7 @@ mod tests {
         for (edit, want) in [
             (
                 ("retained = 3", "retaind = 3"),
-                "job.toml:85: `retaind = 3`: unknown field `retaind`",
+                "job.toml:92: `retaind = 3`: unknown field `retaind`",
             ),
             (
                 ("parallelism = 2 ", "parallelism = \"two\" "),

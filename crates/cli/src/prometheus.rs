@@ -226,8 +226,9 @@ pub fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
 
 /// The key counters of a job in one line, from Prometheus text (what
 /// `/metrics` serves): records read, bad records by reason, rows written,
-/// checkpoints, commits, and the catalog updates commits tried and lost to
-/// other commits (other workers). For the log when a job ends.
+/// checkpoints, commits, the catalog updates commits tried and lost to
+/// other commits (other workers), and merges before commits (and those that
+/// failed). For the log when a job ends.
 ///
 /// ```
 /// let text = "tinyflow_kafka_records_read_total{subtask=\"0\"} 10\n\
@@ -235,7 +236,8 @@ pub fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
 /// assert_eq!(
 ///     tinyflow_cli::counters_line(text),
 ///     "records_read=10 bad_records=2 (invalid_json=2) rows_written=0 rows_skipped_by_sink=0 \
-///      checkpoints_completed=0 checkpoints_failed=0 commits=0 commit_attempts=0 commit_conflicts=0"
+///      checkpoints_completed=0 checkpoints_failed=0 commits=0 commit_attempts=0 commit_conflicts=0 \
+///      merges=0 merge_failures=0"
 /// );
 /// ```
 pub fn counters_line(text: &str) -> String {
@@ -270,7 +272,7 @@ pub fn counters_line(text: &str) -> String {
         )
     };
     format!(
-        "records_read={} bad_records={bad} rows_written={} rows_skipped_by_sink={} checkpoints_completed={} checkpoints_failed={} commits={} commit_attempts={} commit_conflicts={}",
+        "records_read={} bad_records={bad} rows_written={} rows_skipped_by_sink={} checkpoints_completed={} checkpoints_failed={} commits={} commit_attempts={} commit_conflicts={} merges={} merge_failures={}",
         sum("tinyflow_kafka_records_read_total"),
         sum("tinyflow_iceberg_rows_written_total"),
         sum("tinyflow_iceberg_bad_records_total"),
@@ -279,5 +281,7 @@ pub fn counters_line(text: &str) -> String {
         sum("tinyflow_iceberg_commits_total"),
         sum("tinyflow_iceberg_commit_attempts_total"),
         sum("tinyflow_iceberg_commit_conflicts_total"),
+        sum("tinyflow_iceberg_merges_total"),
+        sum("tinyflow_iceberg_merge_failures_total"),
     )
 }

@@ -19,7 +19,9 @@
 //! disk too small for its data (a 512 KiB tmpfs; the test needs root to
 //! mount it) must fail its attempts with an error naming the file and the
 //! full disk, clean up after each, and finish with every record once when
-//! the disk grows.
+//! the disk grows. A job whose commits take merged files is killed at
+//! each step of the merge (`chaos/merge.rs`). `tinyflow maintain` (`chaos/maintain.rs`) runs beside a
+//! job, after it was killed, and before it restarts from its checkpoints.
 //!
 //! It lives in the CLI crate so that cargo builds the binary for it, in the
 //! same build as every other test.
@@ -48,6 +50,10 @@ use tinyflow_tests::broker::OwnBroker;
 
 #[path = "chaos/avro.rs"]
 mod avro;
+#[path = "chaos/maintain.rs"]
+mod maintain;
+#[path = "chaos/merge.rs"]
+mod merge;
 #[path = "chaos/workers.rs"]
 mod workers;
 

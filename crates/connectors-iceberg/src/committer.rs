@@ -18,6 +18,7 @@ use crate::dedupe::{
     SUMMARY_SOURCE_POSITIONS, SUMMARY_WATERMARK, committed_id, committed_positions, observe, owned,
 };
 use crate::identity::{self, Identity, Mismatch, WAYS_OUT};
+use crate::merge::{self, Merged};
 use crate::table::SinkTable;
 use crate::writer::DataFileMeta;
 
@@ -214,7 +215,9 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
             tracing::debug!(sink = %label, files = verified, verify_ms = started.elapsed().as_millis() as u64, "restored data files verified");
             // Recovery step 3: commit every restored checkpoint above what the
             // table holds; drop the rest (the guard tells which).
-            committer.commit_upto(restore.checkpoint.get()).await?;
+            committer
+                .commit_upto(restore.checkpoint.get(), None)
+                .await?;
         } else {
             committer.identity = identity;
         }
@@ -240,6 +243,19 @@ impl SinkFactory<DataFileMeta> for CommitterFactory {
     async fn last_committed(&self) -> StreamResult<Option<CheckpointId>> {
         self.table.committed().await
     }
+}
+
+/// How long merging pauses after a merge failed or was abandoned.
+const MERGE_PAUSE: Duration = Duration::from_secs(300);
+
+/// A merge before a commit, running.
+struct Merging {
+    /// The newest checkpoint it merges.
+    upto: u64,
+    /// Small files it merges.
+    files: usize,
+    started: Instant,
+    task: merge::Task<Merged>,
 }
 
 /// A failed commit try.
@@ -284,8 +300,18 @@ pub(crate) struct Committer {
     /// The newest checkpoint notified complete in this attempt (0: none).
     notified: u64,
     last_commit: Instant,
-    /// Commits since snapshots were last expired.
-    since_expiry: usize,
+    /// The merge under way before a commit, if any.
+    merging: Option<Merging>,
+    /// No merging before this (after a failed merge).
+    merge_resumes: Option<Instant>,
+    /// `job_finished` was called: the job ends after this commit.
+    finishing: bool,
+    merges: metrics::Counter,
+    merge_failures: metrics::Counter,
+    merge_seconds: metrics::Histogram,
+    merged_files: metrics::Counter,
+    /// When table maintenance runs (`IcebergSinkConfig::maintenance`).
+    maintenance: crate::maintenance::Scheduler,
     commits: metrics::Counter,
     commit_seconds: metrics::Histogram,
     last_committed: metrics::Gauge,
@@ -303,7 +329,14 @@ impl Committer {
             identity: Identity::default(),
             notified: 0,
             last_commit: Instant::now(),
-            since_expiry: 0,
+            merging: None,
+            merge_resumes: None,
+            finishing: false,
+            merges: metrics::counter!("tinyflow_iceberg_merges_total", "sink" => sink.clone()),
+            merge_failures: metrics::counter!("tinyflow_iceberg_merge_failures_total", "sink" => sink.clone()),
+            merge_seconds: metrics::histogram!("tinyflow_iceberg_merge_seconds", "sink" => sink.clone()),
+            merged_files: metrics::counter!("tinyflow_iceberg_merged_files_total", "sink" => sink.clone()),
+            maintenance: crate::maintenance::Scheduler::default(),
             commits: metrics::counter!("tinyflow_iceberg_commits_total", "sink" => sink.clone()),
             commit_seconds: metrics::histogram!("tinyflow_iceberg_commit_seconds", "sink" => sink.clone()),
             last_committed: metrics::gauge!("tinyflow_iceberg_last_committed_checkpoint", "sink" => sink),
@@ -365,23 +398,38 @@ impl Committer {
 
     /// Commits every pending checkpoint up to `upto` in one transaction,
     /// unless the table already has them: the check runs on the table as
-    /// refreshed for each attempt (see [`GuardedCatalog`]).
-    async fn commit_upto(&mut self, upto: u64) -> StreamResult<()> {
+    /// refreshed for each attempt (see [`GuardedCatalog`]). With `merged`,
+    /// the commit takes the merged files instead of those they replace,
+    /// when it takes exactly the checkpoints they came from.
+    async fn commit_upto(&mut self, upto: u64, merged: Option<Merged>) -> StreamResult<()> {
         let table = Arc::clone(&self.table);
         let config = &table.config;
         let label = self.table.label();
         let mut backoff = config.retry_backoff;
         let mut failures = 0u32;
+        let mut merged = merged;
         loop {
             let ids: Vec<u64> = self.pending.range(..=upto).map(|(id, _)| *id).collect();
             let (Some(&low), Some(&high)) = (ids.first(), ids.last()) else {
                 return Ok(());
             };
             let started = Instant::now();
-            let staged: BTreeMap<u64, Staged> = ids
+            let mut staged: BTreeMap<u64, Staged> = ids
                 .iter()
                 .map(|id| (*id, self.pending[id].clone()))
                 .collect();
+            let using = match merged.take() {
+                Some(m) if m.checkpoints == ids => {
+                    m.apply(&mut staged);
+                    Some(m)
+                }
+                Some(m) => {
+                    tracing::info!(sink = %label, from = low, to = high, merged = ?m.checkpoints, "the commit takes other checkpoints than the merge did: committing their files unmerged");
+                    self.discard(m);
+                    None
+                }
+                None => None,
+            };
             let result =
                 on_commit_thread(&label, Self::try_commit(Arc::clone(&self.table), staged)).await;
             match result {
@@ -399,22 +447,21 @@ impl Committer {
                     self.commits.increment(1);
                     self.commit_seconds.record(started.elapsed().as_secs_f64());
                     self.last_committed.set(high as f64);
-                    self.since_expiry += 1;
-                    if let Some(keep) = config.retain_snapshots
-                        && self.since_expiry >= keep
-                    {
-                        self.since_expiry = 0;
-                        self.expire(keep).await;
-                    }
+                    self.maintenance.after_commit(&self.table);
+                    let merged_into = using.as_ref().map_or(0, |m| m.files.len());
                     tracing::info!(
                         sink = %label,
                         checkpoint = high,
                         from = low,
                         files,
+                        merged_into,
                         records,
                         commit_ms = started.elapsed().as_millis() as u64,
                         "committed"
                     );
+                    if let Some(m) = using {
+                        self.merged_away(m).await?;
+                    }
                     return Ok(());
                 }
                 Ok(Tried::Seen(Observed::AlreadyCommitted(c))) => {
@@ -427,6 +474,11 @@ impl Committer {
                 }
                 Ok(Tried::Seen(Observed::Partly(c))) => {
                     tracing::info!(sink = %label, from = low, to = high, table_has = c, "partly committed already; committing the rest");
+                    // Another run committed some of them: none of this
+                    // call's attempts (each of the whole range) landed.
+                    if let Some(m) = using {
+                        self.discard(m);
+                    }
                     self.note_committed(c, None);
                     self.pending.retain(|id, _| *id > c);
                 }
@@ -484,6 +536,7 @@ impl Committer {
                         return Err(e);
                     }
                     tracing::warn!(sink = %label, checkpoint = high, failures, retry_in_ms = backoff.as_millis() as u64, error = %e, "commit failed; retrying");
+                    merged = using;
                     // Jittered: workers that conflicted retry apart.
                     tokio::time::sleep(crate::catalog::jitter(backoff)).await;
                     backoff = (backoff * 2).min(Duration::from_secs(30));
@@ -492,31 +545,147 @@ impl Committer {
         }
     }
 
-    /// Expires all snapshots but the newest `keep`. A failure is logged, not
-    /// fatal: it is maintenance, and the next round tries again.
-    async fn expire(&self, keep: usize) {
+    /// Deletes the merged files of a merge no commit took (in the
+    /// background): no snapshot holds them.
+    fn discard(&self, m: Merged) {
+        let table = Arc::clone(&self.table);
+        merge::spawn(async move {
+            let paths: Vec<String> = m.files.iter().map(|f| f.path.clone()).collect();
+            let deleted = merge::delete_files(&table, paths.iter()).await;
+            tracing::debug!(sink = %table.label(), deleted, "deleted the files of a merge no commit took");
+            Ok(())
+        })
+        .detach();
+    }
+
+    /// Starts merging the small files of the pending checkpoints up to
+    /// `upto` in the background, when merging is on, the commit takes
+    /// several checkpoints and some partition has small files to merge;
+    /// returns whether it did (the commit then follows the merge).
+    fn start_merge(&mut self, upto: u64) -> bool {
+        let config = &self.table.config;
+        // With a commit per checkpoint, several are pending only after a
+        // failed commit: commit them at once rather than merge first.
+        if !config.merge_pending || !config.cadence.holds_back() || self.merging.is_some() {
+            return false;
+        }
+        if self.merge_resumes.is_some_and(|at| Instant::now() < at) {
+            return false;
+        }
+        let staged: BTreeMap<u64, Staged> = self
+            .pending
+            .range(..=upto)
+            .map(|(id, s)| (*id, s.clone()))
+            .collect();
+        if staged.len() < 2 {
+            return false;
+        }
+        let groups = merge::plan(&staged, config.target_file_size as u64);
+        if groups.is_empty() {
+            return false;
+        }
+        let files: usize = groups.iter().map(|g| g.files.len()).sum();
+        tracing::debug!(sink = %self.table.label(), upto, checkpoints = staged.len(), partitions = groups.len(), files, "merging pending files before the commit");
+        let task = merge::start(
+            Arc::clone(&self.table),
+            staged.keys().copied().collect(),
+            groups,
+            self.identity.epoch,
+        );
+        self.merging = Some(Merging {
+            upto,
+            files,
+            started: Instant::now(),
+            task,
+        });
+        true
+    }
+
+    /// Waits for the merge under way, if any, and commits its checkpoints:
+    /// with the merged files, or, when the merge failed, with the small
+    /// files as they are.
+    async fn finish_merge(&mut self) -> StreamResult<()> {
+        let Some(merging) = self.merging.take() else {
+            return Ok(());
+        };
         let label = self.table.label();
-        let result = async {
-            let table = self.table.load().await?;
-            let tx = Transaction::new(&table);
-            let tx = tx
-                .expire_snapshots()
-                .expire_older_than_ms(i64::MAX)
-                .retain_last(keep)
-                .apply(tx)
-                .map_err(|e| external(&label, "expiring snapshots", e))?;
-            let catalog = self.table.catalog().await?;
-            tx.commit(catalog.as_ref())
-                .await
-                .map_err(|e| external(&label, "expiring snapshots", e))
-        }
-        .await;
+        let patience = self
+            .table
+            .config
+            .merge_timeout
+            .saturating_sub(merging.started.elapsed());
+        let Ok(result) = tokio::time::timeout(patience, merging.task.join()).await else {
+            // A merge that does not end (a storage that hangs) must not
+            // hold the data back: commit the small files.
+            self.merge_failed();
+            tracing::warn!(sink = %label, upto = merging.upto, files = merging.files, waited_s = merging.started.elapsed().as_secs(), "merging takes too long; abandoning it and committing the small files as they are");
+            return self.commit_upto(merging.upto, None).await;
+        };
+        let merge_ms = merging.started.elapsed().as_millis() as u64;
         match result {
-            Ok(t) => {
-                tracing::debug!(sink = %label, snapshots = t.metadata().snapshots().len(), "expired snapshots")
+            Ok(mut merged) => {
+                merged.id.disarm();
+                self.merges.increment(1);
+                self.merge_seconds
+                    .record(merging.started.elapsed().as_secs_f64());
+                tracing::info!(
+                    sink = %label,
+                    upto = merging.upto,
+                    files = merged.replaced.len(),
+                    bytes = merged.replaced_bytes,
+                    merged_into = merged.files.len(),
+                    merge_ms,
+                    "merged pending files"
+                );
+                self.commit_upto(merging.upto, Some(merged)).await
             }
-            Err(e) => tracing::warn!(sink = %label, error = %e, "expiring snapshots failed"),
+            Err(e) => {
+                self.merge_failed();
+                tracing::warn!(sink = %label, upto = merging.upto, files = merging.files, merge_ms, error = %e, pause_s = MERGE_PAUSE.as_secs(), "merging failed; committing the small files as they are, and not merging for a while");
+                self.commit_upto(merging.upto, None).await
+            }
         }
+    }
+
+    /// Counts a failed or abandoned merge and pauses merging for
+    /// [`MERGE_PAUSE`], so that a storage in trouble (a full disk) is not
+    /// given more to write at every commit.
+    fn merge_failed(&mut self) {
+        self.merge_failures.increment(1);
+        self.merge_resumes = Some(Instant::now() + MERGE_PAUSE);
+    }
+
+    /// After a commit that took the merged files `m`: deletes the files
+    /// they replace (in the background unless the job is ending; what it
+    /// misses, the orphan cleanup finds).
+    async fn merged_away(&mut self, m: Merged) -> StreamResult<()> {
+        self.merged_files.increment(m.replaced.len() as u64);
+        #[cfg(feature = "testing")]
+        if let Some(hook) = &self.table.config.fault_hook
+            && let crate::fault::Fault::Crash(why) =
+                hook(crate::fault::CommitStep::MergeCommitted).await
+        {
+            return Err(StreamError::external(
+                self.table.label(),
+                "iceberg",
+                "deleting merged-away files".to_owned(),
+                format!("injected crash: {why}"),
+                true,
+            ));
+        }
+        let table = Arc::clone(&self.table);
+        let deleting = merge::spawn(async move {
+            let deleted = merge::delete_files(&table, m.replaced.iter()).await;
+            tracing::debug!(sink = %table.label(), deleted, "deleted the files a merge replaced");
+            Ok(())
+        });
+        if self.watermark == i64::MAX || self.finishing {
+            // The job is about to end: the deletion ends before it does.
+            deleting.join().await?;
+        } else {
+            deleting.detach();
+        }
+        Ok(())
     }
 
     /// One commit try of the `staged` checkpoints, by the run holding
@@ -763,6 +932,15 @@ impl Sink<DataFileMeta> for Committer {
         // After the end of input (the final watermark) every checkpoint
         // commits: the job is about to finish.
         let ended = self.watermark == i64::MAX;
+        if let Some(merging) = &self.merging {
+            let waited = merging.started.elapsed();
+            if !ended && !merging.task.is_finished() && waited < self.table.config.merge_timeout {
+                // Checkpoints go on at their interval; the commit waits
+                // for the merge.
+                return Ok(());
+            }
+            self.finish_merge().await?;
+        }
         if ended
             || self.table.config.cadence.due(
                 self.uncommitted,
@@ -770,7 +948,13 @@ impl Sink<DataFileMeta> for Committer {
                 self.pending_bytes(),
             )
         {
-            self.commit_upto(id.get()).await?;
+            if self.start_merge(id.get()) {
+                if ended {
+                    self.finish_merge().await?;
+                }
+                return Ok(());
+            }
+            self.commit_upto(id.get(), None).await?;
         }
         Ok(())
     }
@@ -780,11 +964,15 @@ impl Sink<DataFileMeta> for Committer {
     }
 
     async fn job_finished(&mut self) -> StreamResult<()> {
+        self.finishing = true;
+        self.finish_merge().await?;
         // Checkpoints the cadence held back: every notified one is complete.
         if self.pending.range(..=self.notified).next().is_some() {
             tracing::info!(sink = %self.table.label(), upto = self.notified, "the job ends: committing the checkpoints the commit cadence held back");
-            self.commit_upto(self.notified).await?;
+            self.commit_upto(self.notified, None).await?;
         }
+        // A maintenance round under way ends with the job, not cut short.
+        self.maintenance.finish().await;
         Ok(())
     }
 

@@ -549,6 +549,14 @@ pub struct CommitCadence {
 
 impl CommitCadence {
     /// Whether to commit now.
+    /// Whether commits may take several checkpoints (a cadence other than
+    /// every checkpoint): what makes merging before a commit worth it.
+    pub(crate) fn holds_back(&self) -> bool {
+        self.every_checkpoints.is_some_and(|n| n > 1)
+            || self.interval.is_some()
+            || self.max_pending_bytes.is_some()
+    }
+
     pub(crate) fn due(&self, uncommitted: u32, since_last: Duration, pending_bytes: u64) -> bool {
         if self.every_checkpoints.is_none()
             && self.interval.is_none()
@@ -583,14 +591,30 @@ pub struct IcebergSinkConfig {
     /// Parquet compression.
     pub compression: Compression,
     /// At most this many data files open per writer subtask (one per
-    /// partition); the least recently used is closed when a new one opens.
+    /// partition); the least recently used is closed when a new one opens,
+    /// and files closed but not yet synced count too.
     pub max_open_writers: usize,
+    /// What a writer subtask's open files may buffer, in bytes (their
+    /// Parquet row groups in progress): past it, the writer closes its
+    /// largest files until under it, instead of a file per batch.
+    pub max_writer_memory: usize,
+    /// How rows reach the writers: by table partition (the default), so
+    /// that each writer owns a share of the partitions, or round-robin.
+    pub distribution: crate::shuffle::Distribution,
     /// Rows per Parquet row group (bounds each open file's buffer).
     pub row_group_rows: usize,
     /// Records that cannot be written: fail or skip.
     pub bad_records: BadRecords,
     /// When to commit.
     pub cadence: CommitCadence,
+    /// When a commit takes the files of several checkpoints (the cadence
+    /// held some back), merge each partition's small files into files near
+    /// `target_file_size` first (off the checkpoint path; a failed merge
+    /// commits the small files as they are).
+    pub merge_pending: bool,
+    /// How long a commit waits for its merge; past it the merge is
+    /// abandoned and the small files are committed.
+    pub merge_timeout: Duration,
     /// Tries per commit when the catalog fails (unreachable, I/O), with
     /// backoff; after the last, the job fails with its data safe in the
     /// checkpoint. Conflicts are retried inside each try.
@@ -603,11 +627,13 @@ pub struct IcebergSinkConfig {
     /// On recovery, delete unreferenced data files of this sink older than
     /// this (orphans of checkpoints that never completed). `None`: never.
     pub orphan_min_age: Option<Duration>,
-    /// Keep only this many snapshots: after every that many commits the
-    /// sink expires older ones (table maintenance; commit latency grows
-    /// with the history otherwise). `None`: the table's snapshots are left
-    /// to the user's maintenance. Dedupe does not need the history.
-    pub retain_snapshots: Option<usize>,
+    /// Table maintenance in the job: after commits, every so often, expire
+    /// snapshots and delete the files only they referenced and old metadata
+    /// files (see [`crate::Maintenance`]; commit latency and the
+    /// warehouse grow with the history otherwise). `None` (the default): the
+    /// table's upkeep is left to the user (`IcebergSink::maintain`, `tinyflow
+    /// maintain`). Dedupe does not need the history.
+    pub maintenance: Option<crate::Maintenance>,
     /// Schema evolution is on: the declared columns need only not
     /// conflict with the table's (the table may lack some, or have wider
     /// types; the source evolves it), instead of fitting exactly.
@@ -629,14 +655,18 @@ impl fmt::Debug for IcebergSinkConfig {
             .field("target_file_size", &self.target_file_size)
             .field("compression", &self.compression)
             .field("max_open_writers", &self.max_open_writers)
+            .field("max_writer_memory", &self.max_writer_memory)
+            .field("distribution", &self.distribution)
             .field("row_group_rows", &self.row_group_rows)
             .field("bad_records", &self.bad_records)
             .field("cadence", &self.cadence)
+            .field("merge_pending", &self.merge_pending)
+            .field("merge_timeout", &self.merge_timeout)
             .field("commit_attempts", &self.commit_attempts)
             .field("retry_backoff", &self.retry_backoff)
             .field("connect_timeout", &self.connect_timeout)
             .field("orphan_min_age", &self.orphan_min_age)
-            .field("retain_snapshots", &self.retain_snapshots);
+            .field("maintenance", &self.maintenance);
         #[cfg(feature = "testing")]
         d.field("fault_hook", &self.fault_hook.as_ref().map(|_| "set"));
         d.finish()
@@ -645,7 +675,9 @@ impl fmt::Debug for IcebergSinkConfig {
 
 impl IcebergSinkConfig {
     /// A sink `sink_id` into `namespace.table` of `catalog`, with defaults:
-    /// 128 MiB files, zstd(1), 16 open files per writer, 64k-row row groups,
+    /// 128 MiB files, zstd(1), rows distributed to the writers by table
+    /// partition, up to 256 open files and 256 MiB of buffered rows per
+    /// writer, 64k-row row groups,
     /// a commit per checkpoint, 5 tries from 200 ms, 15 s to open the
     /// catalog, orphans older than an hour deleted on recovery.
     pub fn new(catalog: CatalogConfig, namespace: &str, table: &str, sink_id: &str) -> Self {
@@ -657,15 +689,19 @@ impl IcebergSinkConfig {
             table_spec: None,
             target_file_size: 128 << 20,
             compression: Compression::default(),
-            max_open_writers: 16,
+            max_open_writers: 256,
+            max_writer_memory: 256 << 20,
+            distribution: crate::shuffle::Distribution::Hash,
             row_group_rows: 64 * 1024,
             bad_records: BadRecords::Fail,
             cadence: CommitCadence::default(),
+            merge_pending: true,
+            merge_timeout: Duration::from_secs(120),
             commit_attempts: 5,
             retry_backoff: Duration::from_millis(200),
             connect_timeout: Duration::from_secs(15),
             orphan_min_age: Some(Duration::from_secs(3600)),
-            retain_snapshots: None,
+            maintenance: None,
             schema_evolution: false,
             #[cfg(feature = "testing")]
             fault_hook: None,
@@ -731,7 +767,13 @@ impl IcebergSinkConfig {
             );
         }
         if self.max_open_writers == 0 {
-            return bad("sink.max_open_writers", "expected at least 1".to_owned());
+            return bad("sink.max_open_files", "expected at least 1".to_owned());
+        }
+        if self.max_writer_memory < 1 << 20 {
+            return bad(
+                "sink.max_writer_memory",
+                format!("{} bytes: expected at least 1 MiB", self.max_writer_memory),
+            );
         }
         if self.row_group_rows == 0 {
             return bad("sink.row_group_rows", "expected at least 1".to_owned());
@@ -739,8 +781,8 @@ impl IcebergSinkConfig {
         if self.commit_attempts == 0 {
             return bad("sink.commit_attempts", "expected at least 1".to_owned());
         }
-        if self.retain_snapshots == Some(0) {
-            return bad("sink.retain_snapshots", "expected at least 1".to_owned());
+        if let Some(m) = &self.maintenance {
+            m.validate()?;
         }
         if self.cadence.every_checkpoints == Some(0) {
             return bad(

@@ -28,6 +28,15 @@ pub enum CommitStep {
         /// The attempt.
         attempt: u32,
     },
+    /// A merge of pending files is about to write its first file.
+    MergePlanned,
+    /// A merge wrote the files of its first partition, others to go.
+    MergeWriting,
+    /// A merge wrote every merged file; the commit has not started.
+    MergeWritten,
+    /// The commit with the merged files is done; the small files they
+    /// replace are about to be deleted.
+    MergeCommitted,
 }
 
 /// What a fault hook does at a step.

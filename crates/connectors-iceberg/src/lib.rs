@@ -23,6 +23,11 @@
 //! orphans, deleted by [`IcebergSink::delete_orphans`] (and on recovery,
 //! past a minimum age).
 //!
+//! Table upkeep ([`Maintenance`]: snapshot expiry, the files only expired
+//! snapshots referenced, old metadata files) runs in the job when
+//! `IcebergSinkConfig::maintenance` is set, or once with
+//! [`IcebergSink::maintain`].
+//!
 //! Feature `testing` (tests only, never the product): the commit fault hook,
 //! `FaultHook`, `CommitStep` and `Fault` at the crate root and
 //! `IcebergSinkConfig::fault_hook`, which crashes or interferes at each step
@@ -61,9 +66,12 @@ mod fault;
 pub mod identity;
 mod layout;
 mod local_storage;
+mod maintenance;
+mod merge;
 mod object_files;
 mod orphans;
 mod read;
+mod shuffle;
 mod table;
 mod writer;
 
@@ -90,9 +98,11 @@ pub use layout::{
     Joined, Layout, LayoutRecord, SUMMARY_LAYOUT_SWITCH, layout_property, layout_start,
     layout_start_property, table_layout, worker_start,
 };
+pub use maintenance::{DELETE_AFTER_COMMIT, Maintenance, MaintenanceReport, PREVIOUS_VERSIONS_MAX};
 pub use object_files::ObjectFiles;
 pub use orphans::OrphanReport;
 pub use read::{TableReader, load_table, scan_longs, total_records};
+pub use shuffle::Distribution;
 pub use table::iceberg_schema;
 pub use writer::{DataFileMeta, conform, plain_columns};
 
@@ -121,8 +131,26 @@ impl IcebergSink {
     }
 
     /// Adds the sink to a job: `parallelism` writers named `<name>-writer`,
-    /// then one committer named `<name>-committer`.
+    /// fed by table partition (`distribution`, unless the declared table
+    /// is unpartitioned) or as the stream is, then one committer named
+    /// `<name>-committer`.
     pub fn attach(&self, stream: Stream<RecordBatch>, name: &str, parallelism: usize) {
+        let config = &self.table.config;
+        let unpartitioned = config
+            .table_spec
+            .as_ref()
+            .is_some_and(|spec| spec.partition.is_empty());
+        let stream = if config.distribution == Distribution::Hash && !unpartitioned {
+            if let Some(spec) = &config.table_spec {
+                self.table.routing.declare(&spec.partition);
+            }
+            stream.partition_custom(Arc::new(shuffle::ByPartition {
+                routing: Arc::clone(&self.table.routing),
+                next: std::sync::atomic::AtomicUsize::new(0),
+            }))
+        } else {
+            stream
+        };
         stream
             .write(&format!("{name}-writer"), parallelism, self.writers())
             .rebalance()

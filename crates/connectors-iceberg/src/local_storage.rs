@@ -85,6 +85,20 @@ impl PendingSyncs {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Waits until at most `room` syncs are still running (each holds its
+    /// file open). It takes none of them: the committer's [`Self::wait`]
+    /// still awaits every one, and reports a failed one, before the
+    /// checkpoint that names the file completes.
+    pub(crate) async fn wait_until(&self, room: usize) {
+        loop {
+            let running = self.lock().iter().filter(|(_, s)| !s.is_finished()).count();
+            if running <= room {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
     /// Waits until every file closed so far is durable; returns how many
     /// syncs it waited for, or the first that failed (a failed sync names
     /// its file).
@@ -304,6 +318,33 @@ mod tests {
         let bad = format!("{}/blocker/x.parquet", dir.path().display());
         let e = storage.write(&bad, Bytes::new()).await.unwrap_err();
         assert!(e.to_string().contains("blocker"), "{e}");
+    }
+
+    /// A writer holding back for running syncs leaves them to the
+    /// committer: every sync, and a failure, still reaches `wait`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn holding_back_for_running_syncs_leaves_them_to_the_committer() {
+        let pending = PendingSyncs::default();
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        pending.push(
+            PathBuf::from("/slow"),
+            tokio::task::spawn_blocking(move || {
+                gate.recv().ok();
+                Err(Error::new(ErrorKind::Unexpected, "slow disk failed"))
+            }),
+        );
+        pending.push(
+            PathBuf::from("/fast"),
+            tokio::task::spawn_blocking(|| Ok(())),
+        );
+        let held =
+            tokio::time::timeout(std::time::Duration::from_millis(200), pending.wait_until(0))
+                .await;
+        assert!(held.is_err(), "returned while a sync runs");
+        release.send(()).unwrap();
+        pending.wait_until(0).await;
+        let e = pending.wait().await.unwrap_err();
+        assert!(e.to_string().contains("slow disk failed"), "{e}");
     }
 
     #[tokio::test]

@@ -62,13 +62,13 @@ async fn referenced(table: &iceberg::table::Table, label: &str) -> StreamResult<
     Ok(paths)
 }
 
-/// A file found under the table's data directory.
-struct Listed {
-    /// Its location as the table's manifests name it: the table location,
-    /// `/data/`, the path below that.
-    location: String,
-    bytes: u64,
-    modified: Option<SystemTime>,
+/// A file found under a directory of the table (`data`, `metadata`).
+pub(crate) struct Listed {
+    /// Its location as the table's metadata names it: the table location,
+    /// `/<dir>/`, the path below that.
+    pub(crate) location: String,
+    pub(crate) bytes: u64,
+    pub(crate) modified: Option<SystemTime>,
 }
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
@@ -89,12 +89,12 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Every file under `<location>/data` of a table in a local warehouse.
-fn list_local(location: &str, root: &str) -> StreamResult<Vec<Listed>> {
-    let data = Path::new(root).join("data");
+/// Every file under `<location>/<dir>` of a table in a local warehouse.
+pub(crate) fn list_local(location: &str, root: &str, dir: &str) -> StreamResult<Vec<Listed>> {
+    let data = Path::new(root).join(dir);
     let mut paths = Vec::new();
     walk(&data, &mut paths).map_err(|source| StreamError::Io {
-        action: "listing data files in",
+        action: "listing the files in",
         path: data.clone(),
         source,
     })?;
@@ -108,7 +108,7 @@ fn list_local(location: &str, root: &str) -> StreamResult<Vec<Listed>> {
             })?;
             let below = path.strip_prefix(&data).unwrap_or(&path).display();
             Ok(Listed {
-                location: format!("{}/data/{below}", location.trim_end_matches('/')),
+                location: format!("{}/{dir}/{below}", location.trim_end_matches('/')),
                 bytes: meta.len(),
                 modified: meta.modified().ok(),
             })
@@ -116,10 +116,11 @@ fn list_local(location: &str, root: &str) -> StreamResult<Vec<Listed>> {
         .collect()
 }
 
-/// Every object under `<location>/data` of a table on S3
+/// Every object under `<location>/<dir>` of a table on S3
 /// (`s3://bucket/path`), listed with the table's `s3.*` properties.
-async fn list_s3(
+pub(crate) async fn list_s3(
     location: &str,
+    dir: &str,
     props: &HashMap<String, String>,
     label: &str,
 ) -> StreamResult<Vec<Listed>> {
@@ -127,7 +128,7 @@ async fn list_s3(
         StreamError::external(
             label.to_owned(),
             "s3",
-            format!("listing the data files under {location}"),
+            format!("listing the files under {location}/{dir}"),
             message,
             true,
         )
@@ -162,7 +163,7 @@ async fn list_s3(
     let op = opendal::Operator::new(builder)
         .map_err(|e| failed(e.to_string()))?
         .finish();
-    let data = format!("{}/data/", prefix.trim_end_matches('/'));
+    let data = format!("{}/{dir}/", prefix.trim_end_matches('/'));
     let entries = op
         .list_with(&data)
         .recursive(true)
@@ -179,24 +180,43 @@ async fn list_s3(
         .collect())
 }
 
-/// The writer id (uuid) in `name` when it is a file the writers of the sink
-/// with this prefix (`{sink_id}-`) write: `{sink_id}-{subtask}-{uuid}-{n}.parquet`.
-/// The full shape is checked so sink `a` never claims the files of sink `a-b`.
-fn written_by<'a>(name: &'a str, prefix: &str) -> Option<&'a str> {
+/// Who wrote a data file of the sink, from its name.
+#[derive(Debug, PartialEq, Eq)]
+enum Author<'a> {
+    /// A writer (its id): `{sink_id}-{subtask}-{uuid}-{n}.parquet`.
+    Writer(&'a str),
+    /// A merge of the run of this epoch (its id):
+    /// `{sink_id}-m{epoch}-{uuid}-{n}.parquet` (see `merge`).
+    Merge(u64, &'a str),
+}
+
+impl<'a> Author<'a> {
+    fn id(&self) -> &'a str {
+        match self {
+            Author::Writer(id) | Author::Merge(_, id) => id,
+        }
+    }
+}
+
+/// Who wrote `name` when it is a file of the sink with this prefix
+/// (`{sink_id}-`). The full shape is checked so sink `a` never claims the
+/// files of sink `a-b`.
+fn written_by<'a>(name: &'a str, prefix: &str) -> Option<Author<'a>> {
     let rest = name
         .strip_prefix(prefix)
         .and_then(|r| r.strip_suffix(".parquet"))?;
     let parts: Vec<&str> = rest.split('-').collect();
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     match parts.as_slice() {
-        [subtask, uuid, n]
-            if !subtask.is_empty()
-                && subtask.bytes().all(|b| b.is_ascii_digit())
-                && uuid.len() == 32
-                && uuid.bytes().all(|b| b.is_ascii_hexdigit())
-                && !n.is_empty()
-                && n.bytes().all(|b| b.is_ascii_digit()) =>
+        [by, uuid, n]
+            if uuid.len() == 32 && uuid.bytes().all(|b| b.is_ascii_hexdigit()) && digits(n) =>
         {
-            Some(uuid)
+            if digits(by) {
+                Some(Author::Writer(uuid))
+            } else {
+                let epoch = by.strip_prefix('m').filter(|e| digits(e))?;
+                Some(Author::Merge(epoch.parse().ok()?, uuid))
+            }
         }
         _ => None,
     }
@@ -209,8 +229,10 @@ fn written_by<'a>(name: &'a str, prefix: &str) -> Option<&'a str> {
 /// commit. Warehouses elsewhere are not cleaned: it lists nothing there.
 ///
 /// With `retired`, on recovery, once the restored checkpoints are committed:
-/// files of this process's writers that are gone (an earlier attempt's) go
-/// whatever their age. Such a file is in no checkpoint that can still
+/// files of this process's writers and merges that are gone (an earlier
+/// attempt's) go whatever their age, and so do merged files of older runs
+/// (a merged file is never in a checkpoint: only the run that made it could
+/// commit it, and a newer run has fenced that one). Such a file is in no checkpoint that can still
 /// commit: the earlier attempt's coordinator has ended, and what its
 /// completed checkpoints hold is committed by now. Without this, a job
 /// restarting on a full disk would leave each failed attempt's files
@@ -220,10 +242,10 @@ pub(crate) async fn delete_orphans(
     min_age: Duration,
     retired: bool,
 ) -> StreamResult<OrphanReport> {
-    let gone = if retired {
-        table.retired_writers()
+    let (gone, epoch) = if retired {
+        (table.retired_writers(), Some(table.claim().await?.epoch))
     } else {
-        HashSet::new()
+        (HashSet::new(), None)
     };
     let label = table.label();
     let loaded = table.load().await?;
@@ -232,9 +254,9 @@ pub(crate) async fn delete_orphans(
         .strip_prefix("file://")
         .or_else(|| location.starts_with('/').then_some(location.as_str()))
     {
-        list_local(&location, root)?
+        list_local(&location, root, "data")?
     } else if is_s3_location(&location) {
-        list_s3(&location, loaded.file_io().config().props(), &label).await?
+        list_s3(&location, "data", loaded.file_io().config().props(), &label).await?
     } else {
         return Ok(OrphanReport::default());
     };
@@ -244,7 +266,7 @@ pub(crate) async fn delete_orphans(
     let mut report = OrphanReport::default();
     for file in files {
         let name = file.location.rsplit('/').next().unwrap_or("");
-        let Some(writer) = written_by(name, &prefix) else {
+        let Some(author) = written_by(name, &prefix) else {
             continue;
         };
         report.listed += 1;
@@ -256,7 +278,8 @@ pub(crate) async fn delete_orphans(
             .modified
             .and_then(|m| now.duration_since(m).ok())
             .unwrap_or_default();
-        if age < min_age && !gone.contains(writer) {
+        let older_run = matches!(author, Author::Merge(e, _) if epoch.is_some_and(|now| e < now));
+        if age < min_age && !gone.contains(author.id()) && !older_run {
             report.too_young += 1;
             continue;
         }
@@ -279,16 +302,23 @@ pub(crate) async fn delete_orphans(
 
 #[cfg(test)]
 mod tests {
-    use super::written_by;
+    use super::{Author, written_by};
 
     #[test]
     fn a_sink_claims_only_its_own_files() {
         let uuid = "0123456789abcdef0123456789abcdef";
         let a = format!("a-0-{uuid}-00001.parquet");
         let ab = format!("a-b-0-{uuid}-00001.parquet");
-        assert_eq!(written_by(&a, "a-"), Some(uuid));
+        assert_eq!(written_by(&a, "a-"), Some(Author::Writer(uuid)));
         assert_eq!(written_by(&ab, "a-"), None);
-        assert_eq!(written_by(&ab, "a-b-"), Some(uuid));
+        assert_eq!(written_by(&ab, "a-b-"), Some(Author::Writer(uuid)));
+        let merged = format!("a-m12-{uuid}-00000.parquet");
+        assert_eq!(written_by(&merged, "a-"), Some(Author::Merge(12, uuid)));
+        assert_eq!(written_by(&format!("a-m-{uuid}-00000.parquet"), "a-"), None);
+        assert_eq!(
+            written_by(&format!("a-x1-{uuid}-00000.parquet"), "a-"),
+            None
+        );
         assert_eq!(written_by(&format!("a-0-{uuid}-00001.avro"), "a-"), None);
         assert_eq!(written_by("a-0-x-00001.parquet", "a-"), None);
     }

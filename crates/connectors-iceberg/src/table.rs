@@ -50,6 +50,9 @@ pub(crate) struct SinkTable {
     /// the sink that are gone: their unreferenced files are orphans
     /// whatever their age (see `orphans::delete_orphans`).
     retired: Mutex<HashSet<String>>,
+    /// The table's partition fields for routing rows to the writers (set
+    /// by the writers as they load the table).
+    pub(crate) routing: Arc<crate::shuffle::Routing>,
 }
 
 impl SinkTable {
@@ -70,6 +73,7 @@ impl SinkTable {
             claimed: OnceCell::new(),
             syncs: Arc::default(),
             retired: Mutex::default(),
+            routing: Arc::default(),
         })
     }
 
@@ -107,6 +111,20 @@ impl SinkTable {
                 }))
                 .with_props(table.config().props().clone())
                 .build()
+            }
+            _ => table.clone(),
+        }
+    }
+
+    /// The storage merged files are written through: synced as each file
+    /// closes (a merged file is committed right after, with no checkpoint
+    /// in between to wait for its sync).
+    pub(crate) fn merge_file_io(&self, table: &FileIO) -> FileIO {
+        match self.config.catalog.warehouse() {
+            Some(w) if is_local_warehouse(w) => {
+                FileIOBuilder::new(Arc::new(SyncedLocalStorageFactory { defer: None }))
+                    .with_props(table.config().props().clone())
+                    .build()
             }
             _ => table.clone(),
         }

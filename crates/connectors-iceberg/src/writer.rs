@@ -17,7 +17,7 @@ use iceberg::writer::file_writer::location_generator::{
     DefaultFileNameGenerator, DefaultLocationGenerator,
 };
 use iceberg::writer::file_writer::rolling_writer::RollingFileWriterBuilder;
-use iceberg::writer::{IcebergWriter, IcebergWriterBuilder};
+use iceberg::writer::{CurrentFileStatus, IcebergWriter, IcebergWriterBuilder};
 use parquet::file::properties::{WriterProperties, WriterPropertiesBuilder};
 use parquet::schema::types::ColumnPath;
 use serde::{Deserialize, Serialize};
@@ -78,6 +78,17 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
         let partition_type = spec
             .partition_type(&schema)
             .map_err(|e| fail("reading the partition spec", e))?;
+        let config = &self.table.config;
+        self.table.routing.set(&schema, &spec);
+        if !spec.is_unpartitioned()
+            && config.distribution == crate::shuffle::Distribution::Hash
+            && config
+                .table_spec
+                .as_ref()
+                .is_some_and(|t| t.partition.is_empty())
+        {
+            tracing::warn!(writer = %label, "the table is partitioned but the job declares it unpartitioned: rows reach the writers as they come, not by partition");
+        }
         let splitter = if spec.is_unpartitioned() {
             None
         } else {
@@ -89,7 +100,6 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
                 .map_err(|e| fail("preparing the partition splitter", e))?,
             )
         };
-        let config = &self.table.config;
         let compression =
             config
                 .compression
@@ -121,6 +131,7 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
                 id,
                 table: Arc::clone(&self.table),
             },
+            table: Arc::clone(&self.table),
             label,
             arrow_schema,
             splitter,
@@ -129,6 +140,9 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             open: HashMap::new(),
             tick: 0,
             max_open: config.max_open_writers,
+            max_memory: config.max_writer_memory,
+            memory: 0,
+            row_group_rows: config.row_group_rows as u64,
             closed: Vec::new(),
             partition_type,
             spec_id: spec.spec_id(),
@@ -137,7 +151,10 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             bad: metrics::counter!("tinyflow_iceberg_bad_records_total", "sink" => config.sink_id.clone()),
             files: metrics::counter!("tinyflow_iceberg_files_written_total", "sink" => config.sink_id.clone()),
             rows: metrics::counter!("tinyflow_iceberg_rows_written_total", "sink" => config.sink_id.clone()),
-            evictions: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone()),
+            evictions: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone(), "reason" => "open_files"),
+            spills: metrics::counter!("tinyflow_iceberg_writer_evictions_total", "sink" => config.sink_id.clone(), "reason" => "memory"),
+            buffered: metrics::gauge!("tinyflow_iceberg_writer_buffered_bytes", "sink" => config.sink_id.clone(), "subtask" => ctx.subtask.to_string()),
+            open_files: metrics::gauge!("tinyflow_iceberg_writer_open_files", "sink" => config.sink_id.clone(), "subtask" => ctx.subtask.to_string()),
         }))
     }
 }
@@ -159,6 +176,26 @@ impl Drop for WriterId {
 struct Open {
     writer: OpenWriter,
     last_used: u64,
+    /// Rows written to the file being written (the writer rolls to a new
+    /// file past the target size).
+    rows: u64,
+    /// Its bytes written and buffered when last seen.
+    size: usize,
+    /// What it buffers in memory, as last estimated (see [`buffered`]).
+    memory: usize,
+}
+
+/// What an open file holds in memory: its row group in progress. iceberg's
+/// writer tells only bytes flushed plus buffered (`size`); the buffered
+/// part is that share of it which the rows past the last full row group
+/// are of all its rows, since the Parquet writer flushes a row group at
+/// exactly `row_group_rows` rows.
+fn buffered(rows: u64, size: usize, row_group_rows: u64) -> usize {
+    if rows <= row_group_rows || rows == 0 {
+        return size;
+    }
+    let in_progress = rows % row_group_rows.max(1);
+    usize::try_from(size as u128 * u128::from(in_progress) / u128::from(rows)).unwrap_or(size)
 }
 
 /// What a writer's file stack is built from once its first batch has
@@ -252,9 +289,11 @@ fn mostly_distinct(column: &ArrayRef) -> bool {
 }
 
 /// One writer subtask: keeps a file open per partition, at most `max_open`
-/// of them (closing the least recently used), and closes all on a barrier.
+/// of them (closing the least recently used) and at most `max_memory` of
+/// buffered rows (closing the largest), and closes all on a barrier.
 pub(crate) struct IcebergFileWriter {
     _id: WriterId,
+    table: Arc<SinkTable>,
     label: String,
     arrow_schema: SchemaRef,
     splitter: Option<RecordBatchPartitionSplitter>,
@@ -264,6 +303,10 @@ pub(crate) struct IcebergFileWriter {
     open: HashMap<String, Open>,
     tick: u64,
     max_open: usize,
+    max_memory: usize,
+    /// What the open files buffer, as estimated (the sum of their `memory`).
+    memory: usize,
+    row_group_rows: u64,
     closed: Vec<DataFile>,
     partition_type: StructType,
     /// The partition spec every file is written with (the default).
@@ -274,6 +317,9 @@ pub(crate) struct IcebergFileWriter {
     /// Rows handed to the file writers (committed or not yet).
     rows: metrics::Counter,
     evictions: metrics::Counter,
+    spills: metrics::Counter,
+    buffered: metrics::Gauge,
+    open_files: metrics::Gauge,
     bad: metrics::Counter,
 }
 
@@ -289,6 +335,11 @@ impl IcebergFileWriter {
             if self.open.len() >= self.max_open {
                 self.evict().await?;
             }
+            // Files closed but not yet synced hold a descriptor too: the
+            // cap counts them (local warehouses defer syncs).
+            let room = self.max_open.saturating_sub(self.open.len() + 1).max(1);
+            let syncs = Arc::clone(&self.table.syncs);
+            syncs.wait_until(room).await;
             let Some(stack) = &self.stack else {
                 unreachable!("write() builds the stack before the first part")
             };
@@ -301,17 +352,73 @@ impl IcebergFileWriter {
                 Open {
                     writer,
                     last_used: 0,
+                    rows: 0,
+                    size: 0,
+                    memory: 0,
                 },
             );
+            self.open_files.set(self.open.len() as f64);
         }
         let Some(open) = self.open.get_mut(&path) else {
             unreachable!("inserted above")
         };
         open.last_used = self.tick;
+        let rows = batch.num_rows() as u64;
         open.writer
             .write(batch)
             .await
-            .map_err(|e| file_error(&self.label, format!("writing {}", part_name(&path)), e))
+            .map_err(|e| file_error(&self.label, format!("writing {}", part_name(&path)), e))?;
+        let size = open.writer.current_written_size();
+        // Smaller than before: the writer rolled to a new file.
+        open.rows = if size < open.size {
+            rows
+        } else {
+            open.rows + rows
+        };
+        open.size = size;
+        let memory = buffered(open.rows, size, self.row_group_rows);
+        self.memory = self.memory - open.memory + memory;
+        open.memory = memory;
+        if self.memory > self.max_memory {
+            self.spill().await?;
+        }
+        self.buffered.set(self.memory as f64);
+        Ok(())
+    }
+
+    /// Closes the files buffering the most until the writer is within its
+    /// memory budget: each becomes a file as large as the budget allows,
+    /// instead of a small file per batch.
+    async fn spill(&mut self) -> StreamResult<()> {
+        while self.memory > self.max_memory {
+            let Some(path) = self
+                .open
+                .iter()
+                .max_by_key(|(_, o)| o.memory)
+                .map(|(p, _)| p.clone())
+            else {
+                self.memory = 0;
+                return Ok(());
+            };
+            self.spills.increment(1);
+            tracing::debug!(writer = %self.label, partition = %path, buffered = self.memory, budget = self.max_memory, "closing the largest file: over the memory budget");
+            self.close_open(&path).await?;
+        }
+        Ok(())
+    }
+
+    /// Closes the open file of partition `path`.
+    async fn close_open(&mut self, path: &str) -> StreamResult<()> {
+        if let Some(mut open) = self.open.remove(path) {
+            self.memory -= open.memory;
+            let files =
+                open.writer.close().await.map_err(|e| {
+                    file_error(&self.label, format!("closing {}", part_name(path)), e)
+                })?;
+            self.closed.extend(files);
+            self.open_files.set(self.open.len() as f64);
+        }
+        Ok(())
     }
 
     /// Bad-record policy `skip`: the batch without its rows that have a null
@@ -380,16 +487,9 @@ impl IcebergFileWriter {
         else {
             return Ok(());
         };
-        if let Some(mut open) = self.open.remove(&path) {
-            self.evictions.increment(1);
-            tracing::debug!(writer = %self.label, partition = %path, "closing least recently used file");
-            let files =
-                open.writer.close().await.map_err(|e| {
-                    file_error(&self.label, format!("closing {}", part_name(&path)), e)
-                })?;
-            self.closed.extend(files);
-        }
-        Ok(())
+        self.evictions.increment(1);
+        tracing::debug!(writer = %self.label, partition = %path, "closing least recently used file");
+        self.close_open(&path).await
     }
 }
 
@@ -430,6 +530,9 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
 
     async fn flush(&mut self, id: CheckpointId) -> StreamResult<Vec<DataFileMeta>> {
         let mut files = std::mem::take(&mut self.closed);
+        self.memory = 0;
+        self.buffered.set(0.0);
+        self.open_files.set(0.0);
         for (path, mut open) in self.open.drain() {
             let closed = open.writer.close().await.map_err(|e| {
                 file_error(
@@ -444,23 +547,36 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
         files
             .into_iter()
             .map(|f| {
-                let meta = DataFileMeta {
-                    path: f.file_path().to_owned(),
-                    spec_id: self.spec_id,
-                    records: f.record_count(),
-                    bytes: f.file_size_in_bytes(),
-                    json: String::new(),
-                };
-                let json = iceberg::spec::serialize_data_file_to_json(
+                data_file_meta(
                     f,
+                    self.spec_id,
                     &self.partition_type,
                     self.format_version,
+                    &self.label,
                 )
-                .map_err(|e| external(&self.label, "encoding data file metadata", e))?;
-                Ok(DataFileMeta { json, ..meta })
             })
             .collect()
     }
+}
+
+/// What the committer keeps of a written data file.
+pub(crate) fn data_file_meta(
+    f: DataFile,
+    spec_id: i32,
+    partition_type: &StructType,
+    format_version: iceberg::spec::FormatVersion,
+    label: &str,
+) -> StreamResult<DataFileMeta> {
+    let meta = DataFileMeta {
+        path: f.file_path().to_owned(),
+        spec_id,
+        records: f.record_count(),
+        bytes: f.file_size_in_bytes(),
+        json: String::new(),
+    };
+    let json = iceberg::spec::serialize_data_file_to_json(f, partition_type, format_version)
+        .map_err(|e| external(label, "encoding data file metadata", e))?;
+    Ok(DataFileMeta { json, ..meta })
 }
 
 /// A failure to open, write or close a data file. Retryable unless iceberg
@@ -672,6 +788,18 @@ mod tests {
         )]));
         let err = conform(&batch, &other, "t").unwrap_err().to_string();
         assert!(err.contains("field `scores`"), "{err}");
+    }
+
+    #[test]
+    fn only_the_row_group_in_progress_counts_as_buffered() {
+        // Nothing flushed yet: all of it is in memory.
+        assert_eq!(buffered(1_000, 50_000, 65_536), 50_000);
+        assert_eq!(buffered(65_536, 3_000_000, 65_536), 3_000_000);
+        // Two full row groups flushed, a quarter of one in progress.
+        let rows = 2 * 65_536 + 16_384;
+        assert_eq!(buffered(rows, 9_000_000, 65_536), 1_000_000);
+        // Just flushed: nothing in progress.
+        assert_eq!(buffered(3 * 65_536, 9_000_000, 65_536), 0);
     }
 
     #[test]
