@@ -17,22 +17,11 @@ use tinyflow_connectors_iceberg::{
 };
 use tinyflow_tests::ms;
 
-use crate::iceberg_sink::{Driver, NS, TABLE, batch, config, ctx, ids, range};
+use crate::iceberg_sink::{Driver, NS, TABLE, batch, config, ctx, data_files, ids, range};
 
 /// Every data file the table's current snapshot holds.
 async fn live_files(table: &iceberg::table::Table) -> HashSet<String> {
-    use futures_util::TryStreamExt;
-    table
-        .scan()
-        .build()
-        .unwrap()
-        .plan_files()
-        .await
-        .unwrap()
-        .map_ok(|task| task.data_file_path)
-        .try_collect()
-        .await
-        .unwrap()
+    data_files(table).await.into_iter().collect()
 }
 
 /// Every Parquet file under the warehouse, as `file:` locations.

@@ -1221,7 +1221,7 @@ async fn an_unreachable_or_refusing_s3_store_is_a_clear_error() {
 }
 
 /// Every data file of the table's current snapshot.
-async fn data_files(table: &iceberg::table::Table) -> Vec<String> {
+pub(crate) async fn data_files(table: &iceberg::table::Table) -> Vec<String> {
     use futures_util::TryStreamExt;
     table
         .scan()

@@ -495,3 +495,24 @@ impl Catalog for GuardedCatalog<'_> {
         Ok(table)
     }
 }
+/// A tokio runtime of one thread named `name`, made once in `cell` and
+/// shared by every sink of the process: commits, merges and table
+/// maintenance each run on one of their own, so that they neither queue
+/// behind the job's busy workers nor hold them up. `None` when no thread
+/// could be made (a process at its limit): the work then runs on the
+/// job's runtime, as the warning says once.
+pub(crate) fn own_thread(
+    cell: &'static std::sync::OnceLock<Option<tokio::runtime::Runtime>>,
+    name: &'static str,
+) -> Option<&'static tokio::runtime::Runtime> {
+    cell.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(name)
+            .enable_all()
+            .build()
+            .inspect_err(|e| tracing::warn!(thread = name, error = %e, "no thread of its own; this work runs on the job's runtime"))
+            .ok()
+    })
+    .as_ref()
+}

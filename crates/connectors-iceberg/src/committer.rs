@@ -837,23 +837,10 @@ async fn on_commit_thread<T: Send + 'static>(
     label: &str,
     commit: impl Future<Output = Result<T, Failed>> + Send + 'static,
 ) -> Result<T, Failed> {
-    static RUNTIME: std::sync::OnceLock<Result<tokio::runtime::Runtime, String>> =
+    static RUNTIME: std::sync::OnceLock<Option<tokio::runtime::Runtime>> =
         std::sync::OnceLock::new();
-    let runtime = RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("tinyflow-commit")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    });
-    let runtime = match runtime {
-        Ok(r) => r,
-        // No thread for it (a process at its limit): commit in place.
-        Err(e) => {
-            tracing::warn!(sink = %label, error = %e, "no commit thread; committing on the job's runtime");
-            return commit.await;
-        }
+    let Some(runtime) = crate::catalog::own_thread(&RUNTIME, "tinyflow-commit") else {
+        return commit.await;
     };
     struct AbortOnDrop(tokio::task::AbortHandle);
     impl Drop for AbortOnDrop {

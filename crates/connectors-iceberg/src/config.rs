@@ -731,6 +731,23 @@ impl IcebergSinkConfig {
         crate::dedupe::epoch_property(&self.sink_id)
     }
 
+    /// The Parquet settings every data file of the sink is written with
+    /// (the writers' and the merges'): its compression and row groups.
+    pub(crate) fn writer_properties(
+        &self,
+    ) -> StreamResult<parquet::file::properties::WriterPropertiesBuilder> {
+        let compression = self
+            .compression
+            .to_parquet()
+            .map_err(|message| StreamError::Config {
+                key: "sink.compression",
+                message,
+            })?;
+        Ok(parquet::file::properties::WriterProperties::builder()
+            .set_compression(compression)
+            .set_max_row_group_row_count(Some(self.row_group_rows)))
+    }
+
     /// Checks every setting; the error names the key.
     pub fn validate(&self) -> StreamResult<()> {
         let bad = |key: &'static str, message: String| Err(StreamError::Config { key, message });

@@ -350,17 +350,7 @@ impl Drop for Scheduler {
 fn runtime() -> Option<&'static tokio::runtime::Runtime> {
     static RUNTIME: std::sync::OnceLock<Option<tokio::runtime::Runtime>> =
         std::sync::OnceLock::new();
-    RUNTIME
-        .get_or_init(|| {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .thread_name("tinyflow-maintenance")
-                .enable_all()
-                .build()
-                .inspect_err(|e| tracing::warn!(error = %e, "no maintenance thread; table maintenance runs on the job's runtime"))
-                .ok()
-        })
-        .as_ref()
+    crate::catalog::own_thread(&RUNTIME, "tinyflow-maintenance")
 }
 
 /// Logs the outcome of a round of the job's.

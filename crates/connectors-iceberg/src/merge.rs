@@ -42,7 +42,6 @@ use iceberg::writer::file_writer::location_generator::{
 use iceberg::writer::file_writer::rolling_writer::RollingFileWriterBuilder;
 use iceberg::writer::{IcebergWriter, IcebergWriterBuilder};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-use parquet::file::properties::WriterProperties;
 use parquet::schema::types::ColumnPath;
 use tinyflow_api::{StreamError, StreamResult};
 
@@ -248,13 +247,7 @@ async fn write_merged(
             .map_err(|e| fail("mapping the schema to Arrow".into(), e))?,
     );
     let config = &table.config;
-    let compression = config
-        .compression
-        .to_parquet()
-        .map_err(|message| StreamError::Config {
-            key: "sink.compression",
-            message,
-        })?;
+    let properties = config.writer_properties()?;
     let io = table.merge_file_io(loaded.file_io());
     let merge_id = MergeId {
         id: id.clone(),
@@ -321,9 +314,7 @@ async fn write_merged(
                 let batch: RecordBatch = conform(&batch, &arrow_schema, &label)?;
                 rows_in += batch.num_rows() as u64;
                 if writer.is_none() {
-                    let mut props = WriterProperties::builder()
-                        .set_compression(compression)
-                        .set_max_row_group_row_count(Some(config.row_group_rows));
+                    let mut props = properties.clone();
                     for name in plain_columns(&batch) {
                         props = props.set_column_dictionary_enabled(ColumnPath::from(name), false);
                     }
@@ -466,23 +457,11 @@ impl<T> Drop for Task<T> {
 pub(crate) fn spawn<T: Send + 'static>(
     work: impl Future<Output = StreamResult<T>> + Send + 'static,
 ) -> Task<T> {
-    static RUNTIME: std::sync::OnceLock<Result<tokio::runtime::Runtime, String>> =
+    static RUNTIME: std::sync::OnceLock<Option<tokio::runtime::Runtime>> =
         std::sync::OnceLock::new();
-    let runtime = RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("tinyflow-merge")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    });
-    let handle = match runtime {
-        Ok(r) => r.spawn(work),
-        // No thread for it (a process at its limit): on the job's runtime.
-        Err(e) => {
-            tracing::warn!(error = %e, "no merge thread; merging on the job's runtime");
-            tokio::spawn(work)
-        }
+    let handle = match crate::catalog::own_thread(&RUNTIME, "tinyflow-merge") {
+        Some(r) => r.spawn(work),
+        None => tokio::spawn(work),
     };
     Task {
         handle: Some(handle),

@@ -18,7 +18,7 @@ use iceberg::writer::file_writer::location_generator::{
 };
 use iceberg::writer::file_writer::rolling_writer::RollingFileWriterBuilder;
 use iceberg::writer::{CurrentFileStatus, IcebergWriter, IcebergWriterBuilder};
-use parquet::file::properties::{WriterProperties, WriterPropertiesBuilder};
+use parquet::file::properties::WriterPropertiesBuilder;
 use parquet::schema::types::ColumnPath;
 use serde::{Deserialize, Serialize};
 use tinyflow_api::{
@@ -100,17 +100,7 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
                 .map_err(|e| fail("preparing the partition splitter", e))?,
             )
         };
-        let compression =
-            config
-                .compression
-                .to_parquet()
-                .map_err(|message| StreamError::Config {
-                    key: "sink.compression",
-                    message,
-                })?;
-        let props = WriterProperties::builder()
-            .set_compression(compression)
-            .set_max_row_group_row_count(Some(config.row_group_rows));
+        let props = config.writer_properties()?;
         let location = DefaultLocationGenerator::new(metadata)
             .map_err(|e| fail("reading the table location", e))?;
         // Unique per writer instance: a restarted writer must never reuse a
