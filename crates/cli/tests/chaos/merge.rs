@@ -73,6 +73,13 @@ async fn killed_at_each_merge_step_a_job_with_a_commit_cadence_leaves_every_reco
 
     // The last run goes on until the table holds everything, then stops.
     let mut last = Run::start(&job, &dir, 100);
+    // Running (the killed runs may have committed everything already): it
+    // must be up to stop with a final checkpoint.
+    assert!(
+        last.wait_for("checkpoint completed", Duration::from_secs(60)),
+        "the last run completed no checkpoint within 60 s; log: {}",
+        std::fs::read_to_string(&last.log).unwrap_or_default()
+    );
     let catalog = tinyflow_connectors_iceberg::CatalogConfig::sqlite(&dir);
     let table = TableReader::open(&catalog, "chaos", "bids").await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(180);
