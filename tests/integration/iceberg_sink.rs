@@ -803,6 +803,9 @@ async fn open_files_are_capped_and_the_least_recently_used_is_closed() {
     let dir = tempfile::tempdir().unwrap();
     let mut c = config(dir.path(), "s");
     c.max_open_writers = 2;
+    // Rows are split by partition every 100 (a row group), so each batch
+    // is split as it comes and the partitions of the next one reopen.
+    c.row_group_rows = 100;
     let sink = IcebergSink::new(c).unwrap();
     let mut w = sink.writers().create(&ctx("w", 1)).await.unwrap();
     // 3 parts x 2 days x 4 buckets: up to 24 partitions in each batch.
@@ -822,6 +825,40 @@ async fn open_files_are_capped_and_the_least_recently_used_is_closed() {
         partitions.len()
     );
     assert_eq!(files.iter().map(|f| f.records).sum::<u64>(), 400);
+}
+
+/// A partitioned writer gathers rows across batches before it splits them
+/// by partition: rows still gathered at a barrier are written into that
+/// checkpoint's files, one per partition, and none moves to the next.
+#[tokio::test]
+async fn rows_gathered_across_batches_are_written_at_their_checkpoint_one_file_per_partition() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Driver::new(config(dir.path(), "s")).await;
+    let added = |table: &iceberg::table::Table| -> usize {
+        table
+            .metadata()
+            .current_snapshot()
+            .unwrap()
+            .summary()
+            .additional_properties
+            .get("added-data-files")
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    // 600 rows in batches of 7 over the 24 partitions (3 parts x 2 days x
+    // 4 buckets): far fewer than a split's 64k, so all are gathered until
+    // the barrier.
+    d.checkpoint_in(1, 0..600, 7).await;
+    d.commit(1).await.unwrap();
+    let table = d.table().await;
+    assert_eq!(ids(&table).await, range(0..600));
+    assert_eq!(added(&table), 24, "one file per partition");
+    d.checkpoint_in(2, 600..650, 3).await;
+    d.commit(2).await.unwrap();
+    let table = d.table().await;
+    assert_eq!(ids(&table).await, range(0..650));
+    assert!(added(&table) <= 24, "{} files", added(&table));
 }
 
 #[tokio::test]

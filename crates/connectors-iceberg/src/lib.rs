@@ -72,6 +72,7 @@ mod object_files;
 mod orphans;
 mod read;
 mod shuffle;
+mod split;
 mod table;
 mod writer;
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, new_null_array};
 use arrow_schema::{DataType, SchemaRef};
-use iceberg::arrow::{RecordBatchPartitionSplitter, schema_to_arrow_schema};
+use iceberg::arrow::schema_to_arrow_schema;
 use iceberg::io::FileIO;
 use iceberg::spec::{DataFile, DataFileFormat, PartitionKey, StructType};
 use iceberg::writer::base_writer::data_file_writer::{DataFileWriter, DataFileWriterBuilder};
@@ -27,6 +27,7 @@ use tinyflow_api::{
 
 use crate::catalog::{external, external_unless};
 use crate::config::BadRecords;
+use crate::split::Splitter;
 use crate::table::SinkTable;
 
 /// A data file written but not committed: what a writer sends its committer
@@ -93,11 +94,8 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             None
         } else {
             Some(
-                RecordBatchPartitionSplitter::try_new_with_computed_values(
-                    schema.clone(),
-                    spec.clone(),
-                )
-                .map_err(|e| fail("preparing the partition splitter", e))?,
+                Splitter::try_new(schema.clone(), spec.as_ref().clone())
+                    .map_err(|e| fail("preparing the partition splitter", e))?,
             )
         };
         let props = config.writer_properties()?;
@@ -128,6 +126,7 @@ impl WriterFactory<RecordBatch, DataFileMeta> for IcebergWriterFactory {
             stack: None,
             parts: Some(parts),
             open: HashMap::new(),
+            gathered: Gathered::default(),
             tick: 0,
             max_open: config.max_open_writers,
             max_memory: config.max_writer_memory,
@@ -187,6 +186,26 @@ fn buffered(rows: u64, size: usize, row_group_rows: u64) -> usize {
     let in_progress = rows % row_group_rows.max(1);
     usize::try_from(size as u128 * u128::from(in_progress) / u128::from(rows)).unwrap_or(size)
 }
+
+/// Rows of a partitioned table waiting to be split by partition. Splitting
+/// each incoming batch would hand every open file a slice of a few rows per
+/// batch (a 1,024-row batch over 128 partitions: 8 rows each), and the
+/// Parquet writer's cost per write call (levels, statistics, lookups per
+/// column) then outweighs its cost per row; gathering up to
+/// [`GATHER_ROWS`] rows first and splitting them once gives each file one
+/// write of all its rows among them. Gathered rows count against the memory
+/// budget and are written before any file closes at a checkpoint.
+#[derive(Default)]
+struct Gathered {
+    batches: Vec<RecordBatch>,
+    rows: usize,
+    /// Their Arrow buffers' size.
+    bytes: usize,
+}
+
+/// At most this many rows are gathered before they are split by partition:
+/// a Parquet row group at the default `row_group_rows`.
+const GATHER_ROWS: usize = 64 * 1024;
 
 /// What a writer's file stack is built from once its first batch has
 /// shown which columns should get a Parquet dictionary.
@@ -286,11 +305,14 @@ pub(crate) struct IcebergFileWriter {
     table: Arc<SinkTable>,
     label: String,
     arrow_schema: SchemaRef,
-    splitter: Option<RecordBatchPartitionSplitter>,
+    splitter: Option<Splitter>,
     /// Built from `parts` on the first batch.
     stack: Option<Stack>,
     parts: Option<StackParts>,
     open: HashMap<String, Open>,
+    /// Rows of a partitioned table gathered since they were last split by
+    /// partition (see [`Gathered`]).
+    gathered: Gathered,
     tick: u64,
     max_open: usize,
     max_memory: usize,
@@ -373,6 +395,38 @@ impl IcebergFileWriter {
             self.spill().await?;
         }
         self.buffered.set(self.memory as f64);
+        Ok(())
+    }
+
+    /// Splits the gathered rows by partition and writes each partition's
+    /// rows to its file in one call.
+    async fn write_gathered(&mut self) -> StreamResult<()> {
+        let mut batches = std::mem::take(&mut self.gathered).batches;
+        let batch = match batches.len() {
+            0 => return Ok(()),
+            1 => batches.swap_remove(0),
+            _ => {
+                arrow_select::concat::concat_batches(&self.arrow_schema, &batches).map_err(|e| {
+                    StreamError::external(
+                        self.label.clone(),
+                        "iceberg",
+                        "gathering rows to split by partition".to_owned(),
+                        e.to_string(),
+                        false,
+                    )
+                })?
+            }
+        };
+        let Some(splitter) = &self.splitter else {
+            unreachable!("only partitioned tables gather rows")
+        };
+        let parts = splitter
+            .split(&batch)
+            .map_err(|e| external(&self.label, "computing partition values", e))?;
+        drop(batch);
+        for (key, part) in parts {
+            self.write_part(Some(key), part).await?;
+        }
         Ok(())
     }
 
@@ -503,22 +557,26 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
                 tracing::debug!(writer = %self.label, columns = ?plain, "no Parquet dictionary for these mostly distinct columns");
                 self.stack = Some(stack);
             }
-            match &self.splitter {
-                None => self.write_part(None, batch).await?,
-                Some(splitter) => {
-                    let parts = splitter
-                        .split(&batch)
-                        .map_err(|e| external(&self.label, "computing partition values", e))?;
-                    for (key, part) in parts {
-                        self.write_part(Some(key), part).await?;
-                    }
-                }
+            if self.splitter.is_none() {
+                self.write_part(None, batch).await?;
+                continue;
+            }
+            self.gathered.rows += batch.num_rows();
+            self.gathered.bytes += batch.get_array_memory_size();
+            self.gathered.batches.push(batch);
+            if self.gathered.rows >= GATHER_ROWS.min(self.row_group_rows as usize).max(1)
+                || self.memory + self.gathered.bytes > self.max_memory
+            {
+                self.write_gathered().await?;
             }
         }
+        self.buffered
+            .set((self.memory + self.gathered.bytes) as f64);
         Ok(())
     }
 
     async fn flush(&mut self, id: CheckpointId) -> StreamResult<Vec<DataFileMeta>> {
+        self.write_gathered().await?;
         let mut files = std::mem::take(&mut self.closed);
         self.memory = 0;
         self.buffered.set(0.0);
