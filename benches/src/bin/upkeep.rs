@@ -32,7 +32,9 @@
 //! time.** A producer sends bids at `--rate` per second (default 50,000)
 //! for `--secs` (default 600), `date_time` being the moment each is handed
 //! to the producer, into a fresh topic, while jobs read it from the start:
-//! unpartitioned and `day`-partitioned tables (`--layouts`), with
+//! unpartitioned and `day`-partitioned tables (`--layouts`; `bucket16`
+//! partitions by `bucket[16]` of `auction`, which spreads each
+//! checkpoint's rows over 16 files), with
 //! `[sink.commit] interval` each of `--cadences` (default 1s,10s,1m,5m;
 //! `ckpt` leaves the interval out: a commit at every checkpoint), each
 //! with `merge = true` and `merge = false` (`--merges`), one job at a
@@ -96,7 +98,7 @@ use tinyflow_cli::nexmark::{BID_FIELDS, bids};
 use tinyflow_connectors_iceberg::{CatalogConfig, TableReader};
 
 const USAGE: &str = "usage: upkeep [--only many|cadence]... [--records N] [--variant NAME]... \
-[--secs N] [--rate N] [--cadences 1s,10s,1m,5m] [--layouts unpartitioned,day] [--merges on,off] [--at-once N] \
+[--secs N] [--rate N] [--cadences 1s,10s,1m,5m] [--layouts unpartitioned,day,bucket16] [--merges on,off] [--at-once N] \
 [--scan-runs N] [--legacy] [--keep]
 cadences: durations, or ckpt (a commit at every checkpoint)
 variants of part 1: unpartitioned, bucket-before, bucket-after, day-before, day-after
@@ -198,8 +200,10 @@ fn parse_args() -> Args {
         a.cadence = true;
     }
     for l in &a.layouts {
-        if l != "unpartitioned" && l != "day" {
-            usage_error(&format!("--layouts: {l}: expected unpartitioned or day"));
+        if layout_partition(l).is_none() && l != "unpartitioned" {
+            usage_error(&format!(
+                "--layouts: {l}: expected unpartitioned, day or bucket16"
+            ));
         }
     }
     for v in &a.variants {
@@ -944,6 +948,16 @@ impl CadenceVariant {
 }
 
 /// The commit cadence `c` in seconds (`ckpt`: every checkpoint, 1 s).
+/// The partition column and transform of a part 2 layout; `None` for
+/// `unpartitioned` (and for a name that is not a layout).
+fn layout_partition(layout: &str) -> Option<(&'static str, &'static str)> {
+    match layout {
+        "day" => Some(("date_time", "day")),
+        "bucket16" => Some(("auction", "bucket[16]")),
+        _ => None,
+    }
+}
+
 fn cadence_secs(c: &str) -> f64 {
     if c == CADENCE_EVERY_CHECKPOINT {
         return 1.0;
@@ -1191,7 +1205,7 @@ fn round(
                 topic: &topic,
                 dir: &dir,
                 bounded: false,
-                partition: (v.layout == "day").then_some(("date_time", "day")),
+                partition: layout_partition(&v.layout),
                 distribution: None,
                 commit_interval: (v.cadence != CADENCE_EVERY_CHECKPOINT)
                     .then_some(v.cadence.as_str()),
@@ -1451,9 +1465,11 @@ fn print_cadence(a: &Args, results: &[CadenceResult]) {
         a.at_once
     );
     println!(
-        "| layout | cadence | merge | data files | files / hour | files / min / writer / partition | commits | snapshots kept | metadata MB (files) | data MB | fresh p50 s | fresh p99 s | fresh max s | pyiceberg scan s | scan speed-up vs 1s, merge off |"
+        "| layout | cadence | merge | data files | files / hour | files / min / writer / partition | commits | snapshots kept | metadata MB (files) | data MB | fresh p50 s | fresh p99 s | fresh max s | pyiceberg scan s | scan speed-up vs 1s, merge off | job CPU us / record | machine busy cores | load 1m |"
     );
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     let secs = a.secs as f64;
     for r in results {
         let f = &r.facts;
