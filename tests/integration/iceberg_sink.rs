@@ -692,6 +692,20 @@ async fn a_commit_cadence_of_three_checkpoints_commits_every_third() {
     assert_eq!(ids(&d.table().await).await, range(0..70));
 }
 
+/// The data files the table's current snapshot added.
+fn added_data_files(table: &iceberg::table::Table) -> usize {
+    table
+        .metadata()
+        .current_snapshot()
+        .unwrap()
+        .summary()
+        .additional_properties
+        .get("added-data-files")
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 /// Every transform Iceberg defines makes a table the sink writes and reads
 /// back; files roll at the target size within a checkpoint.
 #[tokio::test]
@@ -721,16 +735,7 @@ async fn every_partition_transform_works_and_files_roll_at_the_target_size() {
             range(0..3_000),
             "{column} by {transform}"
         );
-        let files: usize = table
-            .metadata()
-            .current_snapshot()
-            .unwrap()
-            .summary()
-            .additional_properties
-            .get("added-data-files")
-            .unwrap()
-            .parse()
-            .unwrap();
+        let files = added_data_files(&table);
         assert!(
             files > partitions,
             "{column} by {transform}: {files} files for {partitions} partitions: 1 KiB files roll"
@@ -833,19 +838,11 @@ async fn open_files_are_capped_and_the_least_recently_used_is_closed() {
 #[tokio::test]
 async fn rows_gathered_across_batches_are_written_at_their_checkpoint_one_file_per_partition() {
     let dir = tempfile::tempdir().unwrap();
-    let mut d = Driver::new(config(dir.path(), "s")).await;
-    let added = |table: &iceberg::table::Table| -> usize {
-        table
-            .metadata()
-            .current_snapshot()
-            .unwrap()
-            .summary()
-            .additional_properties
-            .get("added-data-files")
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let mut c = config(dir.path(), "s");
+    // Two open files: split batch by batch, the 24 partitions would reopen
+    // over and over; split once at the barrier, each opens once.
+    c.max_open_writers = 2;
+    let mut d = Driver::new(c).await;
     // 600 rows in batches of 7 over the 24 partitions (3 parts x 2 days x
     // 4 buckets): far fewer than a split's 64k, so all are gathered until
     // the barrier.
@@ -853,12 +850,48 @@ async fn rows_gathered_across_batches_are_written_at_their_checkpoint_one_file_p
     d.commit(1).await.unwrap();
     let table = d.table().await;
     assert_eq!(ids(&table).await, range(0..600));
-    assert_eq!(added(&table), 24, "one file per partition");
+    assert_eq!(added_data_files(&table), 24, "one file per partition");
     d.checkpoint_in(2, 600..650, 3).await;
     d.commit(2).await.unwrap();
     let table = d.table().await;
     assert_eq!(ids(&table).await, range(0..650));
-    assert!(added(&table) <= 24, "{} files", added(&table));
+    let files = added_data_files(&table);
+    assert!(files <= 24, "{files} files");
+}
+
+/// Partitions whose paths print alike (a null and the string `null` by
+/// identity) are written to files of their own, each with its own value.
+#[tokio::test]
+async fn a_null_and_the_string_null_are_different_partitions() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = table_spec();
+    spec.partition = vec![PartitionField::new("name", "identity")];
+    let mut c = IcebergSinkConfig::new(CatalogConfig::sqlite(dir.path()), NS, TABLE, "s")
+        .create_if_missing(spec);
+    c.orphan_min_age = None;
+    let sink = IcebergSink::new(c).unwrap();
+    let mut w = sink.writers().create(&ctx("w", 1)).await.unwrap();
+    let b = batch(0..10);
+    let mut columns = b.columns().to_vec();
+    // Rows 0, 2, 4, 6, 8 have no name; the others are named "null".
+    columns[3] = Arc::new(StringArray::from(
+        (0..10)
+            .map(|i| (i % 2 == 1).then_some("null"))
+            .collect::<Vec<_>>(),
+    ));
+    let b = RecordBatch::try_new(Arc::new(arrow_schema_nullable_id(&b)), columns).unwrap();
+    w.write(vec![b]).await.unwrap();
+    let files = w.flush(CheckpointId::new(1)).await.unwrap();
+    assert_eq!(files.len(), 2, "{files:?}");
+    let mut by_value: Vec<(u64, bool)> = files
+        .iter()
+        .map(|f| {
+            let json: serde_json::Value = serde_json::from_str(&f.json).unwrap();
+            (f.records, json.to_string().contains("\"null\""))
+        })
+        .collect();
+    by_value.sort_unstable();
+    assert_eq!(by_value, vec![(5, false), (5, true)], "{files:?}");
 }
 
 #[tokio::test]

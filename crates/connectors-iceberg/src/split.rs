@@ -8,8 +8,12 @@
 //! calculator, sorts the rows by them (stably: rows keep their order within
 //! a partition), takes the batch once in that order and cuts it into one
 //! slice per partition; only the first row of each partition is made a
-//! `Literal`. Partition values of a type the sort does not take fall back
-//! to iceberg's splitter, so both always give the same partitions.
+//! `Literal`. Rows go to the same partitions as with iceberg's splitter,
+//! except that float partition values are told apart by their bits: `-0.0`
+//! and `0.0` (and NaNs of different bits) are separate parts, each keyed by
+//! its own value, where iceberg's merges them under the first one seen.
+//! Should the sort or the comparison refuse a partition value's type (no
+//! transform result known today), iceberg's splitter does the split.
 
 use std::sync::Arc;
 
@@ -69,6 +73,14 @@ impl Splitter {
                 "partition values are not a struct",
             ));
         };
+        // One partition (a `day` table fed in real time): no copy.
+        match partition(values.columns()) {
+            Ok(ranges) if ranges.len() == 1 => {
+                return Ok(vec![(self.key(values, 0)?, batch.clone())]);
+            }
+            Ok(_) => {}
+            Err(_) => return self.fallback.split(batch),
+        }
         let Ok(rows_u32) = u32::try_from(rows) else {
             return self.fallback.split(batch);
         };
@@ -99,37 +111,43 @@ impl Splitter {
             return self.fallback.split(batch);
         };
         let sorted = take_record_batch(batch, &order).map_err(arrow_error)?;
-        let sorted_struct: ArrayRef = Arc::new(
+        let sorted_struct =
             arrow_array::StructArray::try_new(values.fields().clone(), sorted_values, None)
-                .map_err(arrow_error)?,
-        );
+                .map_err(arrow_error)?;
         ranges
             .ranges()
             .into_iter()
             .map(|range| {
-                let first = sorted_struct.slice(range.start, 1);
-                let key = match arrow_struct_to_literal(&first, &self.partition_type)?
-                    .into_iter()
-                    .next()
-                {
-                    Some(Some(Literal::Struct(s))) => s,
-                    _ => {
-                        return Err(Error::new(
-                            ErrorKind::DataInvalid,
-                            "partition value is not a struct literal or is null",
-                        ));
-                    }
-                };
                 Ok((
-                    PartitionKey::new(self.spec.clone(), Arc::clone(&self.schema), key),
+                    self.key(&sorted_struct, range.start)?,
                     sorted.slice(range.start, range.len()),
                 ))
             })
             .collect()
     }
+
+    /// The partition key of row `row` of the partition values `values`.
+    fn key(&self, values: &arrow_array::StructArray, row: usize) -> iceberg::Result<PartitionKey> {
+        let one: ArrayRef = Arc::new(values.slice(row, 1));
+        match arrow_struct_to_literal(&one, &self.partition_type)?
+            .into_iter()
+            .next()
+        {
+            Some(Some(Literal::Struct(data))) => Ok(PartitionKey::new(
+                self.spec.clone(),
+                Arc::clone(&self.schema),
+                data,
+            )),
+            _ => Err(Error::new(
+                ErrorKind::DataInvalid,
+                "partition value is not a struct literal or is null",
+            )),
+        }
+    }
 }
 
-fn arrow_error(e: arrow_schema::ArrowError) -> Error {
+/// An Arrow error while splitting or gathering, as iceberg's.
+pub(crate) fn arrow_error(e: arrow_schema::ArrowError) -> Error {
     Error::new(ErrorKind::Unexpected, "splitting a batch by partition").with_source(e)
 }
 
@@ -137,7 +155,7 @@ fn arrow_error(e: arrow_schema::ArrowError) -> Error {
 mod tests {
     use std::collections::BTreeMap;
 
-    use arrow_array::{Int32Array, Int64Array, StringArray, TimestampMicrosecondArray};
+    use arrow_array::{Array, Int32Array, Int64Array, StringArray, TimestampMicrosecondArray};
     use iceberg::arrow::schema_to_arrow_schema;
     use iceberg::spec::{
         NestedField, PrimitiveType, Schema, Transform, Type, UnboundPartitionSpec,
@@ -257,6 +275,85 @@ mod tests {
                 .collect();
             assert_eq!(positions.len(), ids.len(), "rows out of order: {ids:?}");
         }
+    }
+
+    #[test]
+    fn one_partition_is_the_batch_itself() {
+        let schema = schema();
+        let s = Splitter::try_new(Arc::clone(&schema), spec(&schema)).unwrap();
+        let b = batch(&schema, 1);
+        let repeated =
+            arrow_select::concat::concat_batches(&b.schema(), &[b.clone(), b.clone(), b]).unwrap();
+        let parts = s.split(&repeated).unwrap();
+        assert_eq!(parts.len(), 1);
+        assert_eq!(parts[0].1, repeated);
+        // Not copied: the same buffers.
+        assert_eq!(
+            parts[0].1.column(0).to_data().buffers()[0].as_ptr(),
+            repeated.column(0).to_data().buffers()[0].as_ptr()
+        );
+    }
+
+    /// Float partition values: every part holds one value, bit for bit, and
+    /// is keyed by it; nulls are one part.
+    #[test]
+    fn float_partitions_hold_one_value_each() {
+        let schema: SchemaRef = Arc::new(
+            Schema::builder()
+                .with_fields(vec![
+                    NestedField::optional(1, "x", Type::Primitive(PrimitiveType::Double)).into(),
+                ])
+                .build()
+                .unwrap(),
+        );
+        let spec = UnboundPartitionSpec::builder()
+            .add_partition_field(1, "x", Transform::Identity)
+            .unwrap()
+            .build()
+            .bind(Arc::clone(&schema))
+            .unwrap();
+        let s = Splitter::try_new(Arc::clone(&schema), spec).unwrap();
+        let values = vec![
+            Some(1.5),
+            Some(-0.0),
+            None,
+            Some(0.0),
+            Some(f64::NAN),
+            Some(1.5),
+            None,
+            Some(-0.0),
+        ];
+        let arrow = Arc::new(schema_to_arrow_schema(&schema).unwrap());
+        let b = RecordBatch::try_new(
+            arrow,
+            vec![Arc::new(arrow_array::Float64Array::from(values.clone()))],
+        )
+        .unwrap();
+        let parts = s.split(&b).unwrap();
+        let mut rows = 0;
+        for (key, part) in &parts {
+            let x = part
+                .column(0)
+                .as_primitive::<arrow_array::types::Float64Type>();
+            let key_value = match key.data().fields().first() {
+                Some(Some(Literal::Primitive(iceberg::spec::PrimitiveLiteral::Double(v)))) => {
+                    Some(v.0)
+                }
+                Some(None) => None,
+                other => panic!("{other:?}"),
+            };
+            for i in 0..x.len() {
+                let value = x.is_valid(i).then(|| x.value(i));
+                assert_eq!(
+                    value.map(f64::to_bits),
+                    key_value.map(f64::to_bits),
+                    "{value:?} under {key_value:?}"
+                );
+            }
+            rows += part.num_rows();
+        }
+        assert_eq!(rows, values.len());
+        assert_eq!(parts.len(), 5, "1.5, -0.0, 0.0, NaN, null");
     }
 
     #[test]

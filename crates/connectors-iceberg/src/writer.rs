@@ -10,7 +10,7 @@ use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, new_null_array};
 use arrow_schema::{DataType, SchemaRef};
 use iceberg::arrow::schema_to_arrow_schema;
 use iceberg::io::FileIO;
-use iceberg::spec::{DataFile, DataFileFormat, PartitionKey, StructType};
+use iceberg::spec::{DataFile, DataFileFormat, PartitionKey, Struct, StructType};
 use iceberg::writer::base_writer::data_file_writer::{DataFileWriter, DataFileWriterBuilder};
 use iceberg::writer::file_writer::ParquetWriterBuilder;
 use iceberg::writer::file_writer::location_generator::{
@@ -164,6 +164,9 @@ impl Drop for WriterId {
 
 struct Open {
     writer: OpenWriter,
+    /// Its partition's path (for messages; two partitions may share one:
+    /// a null and the string `null` print alike).
+    path: String,
     last_used: u64,
     /// Rows written to the file being written (the writer rolls to a new
     /// file past the target size).
@@ -194,7 +197,9 @@ fn buffered(rows: u64, size: usize, row_group_rows: u64) -> usize {
 /// column) then outweighs its cost per row; gathering up to
 /// [`GATHER_ROWS`] rows first and splitting them once gives each file one
 /// write of all its rows among them. Gathered rows count against the memory
-/// budget and are written before any file closes at a checkpoint.
+/// budget (while they are split, the writer holds them once more: the copy
+/// sorted by partition) and are written before any file closes at a
+/// checkpoint.
 #[derive(Default)]
 struct Gathered {
     batches: Vec<RecordBatch>,
@@ -206,6 +211,10 @@ struct Gathered {
 /// At most this many rows are gathered before they are split by partition:
 /// a Parquet row group at the default `row_group_rows`.
 const GATHER_ROWS: usize = 64 * 1024;
+
+/// And at most this many bytes: a string column's values in one Arrow
+/// array must stay under 2 GiB, and a budget this large is rare.
+const GATHER_BYTES: usize = 1 << 30;
 
 /// What a writer's file stack is built from once its first batch has
 /// shown which columns should get a Parquet dictionary.
@@ -309,7 +318,8 @@ pub(crate) struct IcebergFileWriter {
     /// Built from `parts` on the first batch.
     stack: Option<Stack>,
     parts: Option<StackParts>,
-    open: HashMap<String, Open>,
+    /// By partition value (`None` when the table is unpartitioned).
+    open: HashMap<Option<Struct>, Open>,
     /// Rows of a partitioned table gathered since they were last split by
     /// partition (see [`Gathered`]).
     gathered: Gathered,
@@ -326,7 +336,8 @@ pub(crate) struct IcebergFileWriter {
     format_version: iceberg::spec::FormatVersion,
     bad_records: BadRecords,
     files: metrics::Counter,
-    /// Rows handed to the file writers (committed or not yet).
+    /// Rows taken to be written (gathered or handed to the file writers;
+    /// committed or not yet).
     rows: metrics::Counter,
     evictions: metrics::Counter,
     spills: metrics::Counter,
@@ -342,8 +353,9 @@ impl IcebergFileWriter {
         batch: RecordBatch,
     ) -> StreamResult<()> {
         self.tick += 1;
-        let path = key.as_ref().map(PartitionKey::to_path).unwrap_or_default();
-        if !self.open.contains_key(&path) {
+        let part = key.as_ref().map(|k| k.data().clone());
+        if !self.open.contains_key(&part) {
+            let path = key.as_ref().map(PartitionKey::to_path).unwrap_or_default();
             if self.open.len() >= self.max_open {
                 self.evict().await?;
             }
@@ -360,9 +372,10 @@ impl IcebergFileWriter {
                 .await
                 .map_err(|e| file_error(&self.label, "opening a data file", e))?;
             self.open.insert(
-                path.clone(),
+                part.clone(),
                 Open {
                     writer,
+                    path,
                     last_used: 0,
                     rows: 0,
                     size: 0,
@@ -371,15 +384,14 @@ impl IcebergFileWriter {
             );
             self.open_files.set(self.open.len() as f64);
         }
-        let Some(open) = self.open.get_mut(&path) else {
+        let Some(open) = self.open.get_mut(&part) else {
             unreachable!("inserted above")
         };
         open.last_used = self.tick;
         let rows = batch.num_rows() as u64;
-        open.writer
-            .write(batch)
-            .await
-            .map_err(|e| file_error(&self.label, format!("writing {}", part_name(&path)), e))?;
+        open.writer.write(batch).await.map_err(|e| {
+            file_error(&self.label, format!("writing {}", part_name(&open.path)), e)
+        })?;
         let size = open.writer.current_written_size();
         // Smaller than before: the writer rolled to a new file.
         open.rows = if size < open.size {
@@ -407,16 +419,17 @@ impl IcebergFileWriter {
             1 => batches.swap_remove(0),
             _ => {
                 arrow_select::concat::concat_batches(&self.arrow_schema, &batches).map_err(|e| {
-                    StreamError::external(
-                        self.label.clone(),
-                        "iceberg",
-                        "gathering rows to split by partition".to_owned(),
-                        e.to_string(),
-                        false,
+                    external(
+                        &self.label,
+                        "gathering rows to split by partition",
+                        crate::split::arrow_error(e),
                     )
                 })?
             }
         };
+        // The gathered batches are in `batch` now: not held twice while
+        // their parts are written.
+        drop(batches);
         let Some(splitter) = &self.splitter else {
             unreachable!("only partitioned tables gather rows")
         };
@@ -430,12 +443,15 @@ impl IcebergFileWriter {
         Ok(())
     }
 
-    /// Closes the files buffering the most until the writer is within its
-    /// memory budget: each becomes a file as large as the budget allows,
-    /// instead of a small file per batch.
+    /// Closes the files buffering the most until the writer is at three
+    /// quarters of its memory budget: each becomes a file as large as the
+    /// budget allows, instead of a small file per batch, and the quarter
+    /// left keeps room for rows to gather (a writer kept at the brim would
+    /// split nearly every batch as it came).
     async fn spill(&mut self) -> StreamResult<()> {
-        while self.memory > self.max_memory {
-            let Some(path) = self
+        let low = self.max_memory / 4 * 3;
+        while self.memory > low {
+            let Some(part) = self
                 .open
                 .iter()
                 .max_by_key(|(_, o)| o.memory)
@@ -445,20 +461,19 @@ impl IcebergFileWriter {
                 return Ok(());
             };
             self.spills.increment(1);
-            tracing::debug!(writer = %self.label, partition = %path, buffered = self.memory, budget = self.max_memory, "closing the largest file: over the memory budget");
-            self.close_open(&path).await?;
+            tracing::debug!(writer = %self.label, partition = %self.open[&part].path, buffered = self.memory, budget = self.max_memory, "closing the largest file: over the memory budget");
+            self.close_open(&part).await?;
         }
         Ok(())
     }
 
-    /// Closes the open file of partition `path`.
-    async fn close_open(&mut self, path: &str) -> StreamResult<()> {
-        if let Some(mut open) = self.open.remove(path) {
+    /// Closes the open file of partition `part`.
+    async fn close_open(&mut self, part: &Option<Struct>) -> StreamResult<()> {
+        if let Some(mut open) = self.open.remove(part) {
             self.memory -= open.memory;
-            let files =
-                open.writer.close().await.map_err(|e| {
-                    file_error(&self.label, format!("closing {}", part_name(path)), e)
-                })?;
+            let files = open.writer.close().await.map_err(|e| {
+                file_error(&self.label, format!("closing {}", part_name(&open.path)), e)
+            })?;
             self.closed.extend(files);
             self.open_files.set(self.open.len() as f64);
         }
@@ -523,7 +538,7 @@ impl IcebergFileWriter {
 
     /// Closes the least recently used open file.
     async fn evict(&mut self) -> StreamResult<()> {
-        let Some(path) = self
+        let Some(part) = self
             .open
             .iter()
             .min_by_key(|(_, o)| o.last_used)
@@ -532,8 +547,8 @@ impl IcebergFileWriter {
             return Ok(());
         };
         self.evictions.increment(1);
-        tracing::debug!(writer = %self.label, partition = %path, "closing least recently used file");
-        self.close_open(&path).await
+        tracing::debug!(writer = %self.label, partition = %self.open[&part].path, "closing least recently used file");
+        self.close_open(&part).await
     }
 }
 
@@ -565,6 +580,7 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
             self.gathered.bytes += batch.get_array_memory_size();
             self.gathered.batches.push(batch);
             if self.gathered.rows >= GATHER_ROWS.min(self.row_group_rows as usize).max(1)
+                || self.gathered.bytes >= GATHER_BYTES
                 || self.memory + self.gathered.bytes > self.max_memory
             {
                 self.write_gathered().await?;
@@ -581,11 +597,11 @@ impl Writer<RecordBatch, DataFileMeta> for IcebergFileWriter {
         self.memory = 0;
         self.buffered.set(0.0);
         self.open_files.set(0.0);
-        for (path, mut open) in self.open.drain() {
+        for (_, mut open) in self.open.drain() {
             let closed = open.writer.close().await.map_err(|e| {
                 file_error(
                     &self.label,
-                    format!("closing {} at checkpoint {id}", part_name(&path)),
+                    format!("closing {} at checkpoint {id}", part_name(&open.path)),
                     e,
                 )
             })?;
