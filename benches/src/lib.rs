@@ -5,6 +5,8 @@
 //! [`pipeline`] holds in-memory sources, sinks and a checkpoint store for the
 //! benchmarks that run whole jobs (the runtime bench and the `nexmark` bench
 //! binary). [`kafka`] pre-loads a real broker with Nexmark bids as JSON.
+//! [`tinyflow_bin`] finds the `tinyflow` binary the benches that run jobs
+//! as processes start.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -52,6 +54,30 @@ pub const INTERVAL: Duration = Duration::from_secs(1);
 /// Wall-clock milliseconds at the start of a benchmark (a fixed date, so the
 /// metadata is the same in every run).
 pub const WALL_START_MS: u64 = 1_700_000_000_000;
+
+/// The `tinyflow` binary that the benches running jobs as processes start:
+/// `TINYFLOW_BIN`, else the one beside the running bench.
+pub fn tinyflow_bin() -> std::path::PathBuf {
+    if let Ok(bin) = std::env::var("TINYFLOW_BIN") {
+        return std::path::PathBuf::from(bin);
+    }
+    let bin = std::env::current_exe()
+        .unwrap_or_default()
+        .with_file_name(format!("tinyflow{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "`tinyflow` not found at {}: `cargo build --release -p tinyflow-cli` first, or set TINYFLOW_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
 
 /// `len` bytes of a SplitMix64 stream started at `seed`.
 pub fn pseudo_random(seed: u64, len: usize) -> Vec<u8> {

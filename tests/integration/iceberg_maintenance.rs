@@ -23,13 +23,12 @@ use std::time::Duration;
 use arrow_array::RecordBatch;
 use tinyflow_api::testing::VecSource;
 use tinyflow_api::{JobBuilder, JobId, StreamError};
-use tinyflow_checkpoint::CheckpointConfig;
 use tinyflow_checkpoint::testing::MemoryCheckpointStore;
 use tinyflow_connectors_iceberg::{
     CatalogConfig, CommitStep, DELETE_AFTER_COMMIT, Fault, IcebergSink, Maintenance,
     PREVIOUS_VERSIONS_MAX, SUMMARY_SINK_ID, committed_id, table_epoch,
 };
-use tinyflow_runtime::{JobRunner, RestartStrategy, RuntimeConfig};
+use tinyflow_runtime::JobRunner;
 use tinyflow_tests::{ms, pyiceberg_read};
 
 use crate::iceberg_sink::{
@@ -499,19 +498,7 @@ async fn a_job_restarted_after_expiry_still_dedupes_its_last_checkpoint() {
     let report = JobRunner::new(
         job.build().unwrap(),
         Arc::new(MemoryCheckpointStore::new()),
-        RuntimeConfig {
-            checkpoint: CheckpointConfig {
-                interval: Some(ms(40)),
-                timeout: ms(20_000),
-                ..CheckpointConfig::default()
-            },
-            restart: RestartStrategy::FixedDelay {
-                delay: ms(20),
-                max_attempts: 20,
-            },
-            channel_capacity: 4,
-            chaining: true,
-        },
+        crate::iceberg_sink::quick_restarts(),
     )
     .run()
     .await

@@ -129,6 +129,24 @@ pub(crate) fn batch(ids: std::ops::Range<i64>) -> RecordBatch {
     .unwrap()
 }
 
+/// Checkpoints every 40 ms and up to 20 restarts 20 ms apart, for jobs
+/// whose failures are injected.
+pub(crate) fn quick_restarts() -> RuntimeConfig {
+    RuntimeConfig {
+        checkpoint: CheckpointConfig {
+            interval: Some(ms(40)),
+            timeout: ms(20_000),
+            ..CheckpointConfig::default()
+        },
+        restart: RestartStrategy::FixedDelay {
+            delay: ms(20),
+            max_attempts: 20,
+        },
+        channel_capacity: 4,
+        chaining: true,
+    }
+}
+
 pub(crate) fn config(dir: &Path, sink_id: &str) -> IcebergSinkConfig {
     config_on(CatalogConfig::sqlite(dir), sink_id)
 }
@@ -1082,26 +1100,10 @@ async fn run_job(
     IcebergSink::new(c)
         .unwrap()
         .attach(stream, "events", writers);
-    JobRunner::new(
-        job.build().unwrap(),
-        store,
-        RuntimeConfig {
-            checkpoint: CheckpointConfig {
-                interval: Some(ms(40)),
-                timeout: ms(20_000),
-                ..CheckpointConfig::default()
-            },
-            restart: RestartStrategy::FixedDelay {
-                delay: ms(20),
-                max_attempts: 20,
-            },
-            channel_capacity: 4,
-            chaining: true,
-        },
-    )
-    .run()
-    .await
-    .unwrap()
+    JobRunner::new(job.build().unwrap(), store, quick_restarts())
+        .run()
+        .await
+        .unwrap()
 }
 
 pub(crate) fn batches(

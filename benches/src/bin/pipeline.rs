@@ -62,7 +62,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use arrow_json::ReaderBuilder;
 use arrow_schema::{DataType, Field, Schema};
@@ -549,22 +549,6 @@ struct Processes {
     conflicts: u64,
 }
 
-/// The `tinyflow` binary (7) runs: `TINYFLOW_BIN`, else beside this one.
-fn tinyflow_bin() -> PathBuf {
-    if let Ok(bin) = std::env::var("TINYFLOW_BIN") {
-        return PathBuf::from(bin);
-    }
-    let bin = std::env::current_exe()
-        .unwrap()
-        .with_file_name(format!("tinyflow{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.exists(),
-        "(7) runs `tinyflow`, not found at {}: `cargo build --release -p tinyflow-cli` first, or set TINYFLOW_BIN",
-        bin.display()
-    );
-    bin
-}
-
 /// (7): the bounded job with 1 s checkpoints as `workers` processes of
 /// `parallelism` subtasks each (one process without `--worker` when
 /// `workers` is 1), until every process exited.
@@ -593,7 +577,7 @@ fn processes(
     let children: Vec<(std::process::Child, PathBuf)> = (0..workers)
         .map(|i| {
             let log = dir.join(format!("worker-{i}.log"));
-            let mut cmd = Command::new(tinyflow_bin());
+            let mut cmd = Command::new(tinyflow_benches::tinyflow_bin());
             cmd.arg("run").arg(&job);
             if workers > 1 {
                 cmd.args(["--worker", &format!("{i}/{workers}")]);
@@ -690,13 +674,6 @@ fn python(topic: &BidsTopic, n: u64, dir: &Path) -> Option<Figure> {
     })
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-}
-
 /// Each bid's append-to-visible latency, in ms, with the second (from the
 /// start of production) in which it was produced.
 struct Latencies {
@@ -716,7 +693,7 @@ async fn latency(
     dir: &Path,
     handle: &PrometheusHandle,
 ) -> Latencies {
-    let topic = format!("tinyflow-bench-latency-{}", now_ms());
+    let topic = format!("tinyflow-bench-latency-{}", tinyflow_benches::now_ms());
     tinyflow_connectors_kafka::testing::create_topic(&bootstrap(), &topic, partitions)
         .await
         .unwrap();
@@ -762,7 +739,7 @@ async fn latency(
                 if let Some(wait) = due.checked_sub(start.elapsed()) {
                     std::thread::sleep(wait);
                 }
-                sent_at.lock().unwrap().push(now_ms());
+                sent_at.lock().unwrap().push(tinyflow_benches::now_ms());
                 (
                     (b.id % partitions as u64) as i32,
                     serde_json::to_vec(&b).unwrap(),
@@ -780,7 +757,7 @@ async fn latency(
         assert!(!running.is_finished(), "the latency job ended early");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let produce_start_ms = now_ms();
+    let produce_start_ms = tinyflow_benches::now_ms();
     go.store(true, Ordering::Release);
     while total_records(&reader).await < n + partitions as u64 {
         assert!(!running.is_finished(), "the latency job ended early");

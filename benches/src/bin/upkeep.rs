@@ -331,29 +331,13 @@ fn metric(text: &str, name: &str) -> f64 {
     tinyflow_cli::metric_sum(text, name, None)
 }
 
-/// The `tinyflow` binary: `TINYFLOW_BIN`, else beside this one.
-fn tinyflow_bin() -> PathBuf {
-    if let Ok(bin) = std::env::var("TINYFLOW_BIN") {
-        return PathBuf::from(bin);
-    }
-    let bin = std::env::current_exe()
-        .unwrap()
-        .with_file_name(format!("tinyflow{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.exists(),
-        "`tinyflow` not found at {}: `cargo build --release -p tinyflow-cli` first, or set TINYFLOW_BIN",
-        bin.display()
-    );
-    bin
-}
-
 /// Starts `tinyflow run` on the job text in `dir/job.toml`, its log in
 /// `dir/job.log`.
 fn spawn_job(dir: &Path, text: &str) -> Child {
     std::fs::create_dir_all(dir).unwrap();
     let job = dir.join("job.toml");
     std::fs::write(&job, text).unwrap();
-    Command::new(tinyflow_bin())
+    Command::new(tinyflow_benches::tinyflow_bin())
         .arg("run")
         .arg(&job)
         .env("TINYFLOW_LOG", "info")
@@ -397,13 +381,6 @@ fn load_1m() -> f64 {
         .ok()
         .and_then(|l| l.split_whitespace().next()?.parse().ok())
         .unwrap_or(f64::NAN)
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
 }
 
 fn now_us() -> i64 {
@@ -1181,7 +1158,7 @@ fn round(
     variants: &[CadenceVariant],
 ) -> Vec<CadenceResult> {
     let n = a.rate * a.secs;
-    let topic = format!("tinyflow-bench-upkeep-{}", now_ms());
+    let topic = format!("tinyflow-bench-upkeep-{}", tinyflow_benches::now_ms());
     rt.block_on(tinyflow_connectors_kafka::testing::create_topic(
         &bootstrap(),
         &topic,

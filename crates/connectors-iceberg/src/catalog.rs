@@ -13,10 +13,7 @@ use std::sync::{Arc, Mutex};
 use futures_util::future::BoxFuture;
 use iceberg::io::StorageFactory;
 use iceberg::table::Table;
-use iceberg::{
-    Catalog, CatalogBuilder, ErrorKind, Namespace, NamespaceIdent, TableCommit, TableCreation,
-    TableIdent,
-};
+use iceberg::{Catalog, CatalogBuilder, ErrorKind, TableCommit, TableIdent};
 use iceberg_catalog_rest::{
     REST_CATALOG_PROP_URI, REST_CATALOG_PROP_WAREHOUSE, RestCatalogBuilder,
 };
@@ -343,55 +340,104 @@ fn boxed<'a, T: Send + 'a>(
     Box::pin(f)
 }
 
-#[async_trait::async_trait]
-impl Catalog for GuardedCatalog<'_> {
-    async fn list_namespaces(
-        &self,
-        parent: Option<&NamespaceIdent>,
-    ) -> iceberg::Result<Vec<NamespaceIdent>> {
-        self.inner.list_namespaces(parent).await
-    }
+/// `impl Catalog for $ty` around a catalog `self.inner`: the methods given
+/// (at least `load_table` and `update_table`, which the wrappers change),
+/// and every other one passed to `inner` as it is.
+macro_rules! catalog_around_inner {
+    ($ty:ty { $($own:tt)* }) => {
+        #[async_trait::async_trait]
+        impl iceberg::Catalog for $ty {
+            $($own)*
 
-    async fn create_namespace(
-        &self,
-        namespace: &NamespaceIdent,
-        properties: HashMap<String, String>,
-    ) -> iceberg::Result<Namespace> {
-        self.inner.create_namespace(namespace, properties).await
-    }
+            async fn list_namespaces(
+                &self,
+                parent: Option<&iceberg::NamespaceIdent>,
+            ) -> iceberg::Result<Vec<iceberg::NamespaceIdent>> {
+                self.inner.list_namespaces(parent).await
+            }
 
-    async fn get_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<Namespace> {
-        self.inner.get_namespace(namespace).await
-    }
+            async fn create_namespace(
+                &self,
+                namespace: &iceberg::NamespaceIdent,
+                properties: std::collections::HashMap<String, String>,
+            ) -> iceberg::Result<iceberg::Namespace> {
+                self.inner.create_namespace(namespace, properties).await
+            }
 
-    async fn namespace_exists(&self, namespace: &NamespaceIdent) -> iceberg::Result<bool> {
-        self.inner.namespace_exists(namespace).await
-    }
+            async fn get_namespace(
+                &self,
+                namespace: &iceberg::NamespaceIdent,
+            ) -> iceberg::Result<iceberg::Namespace> {
+                self.inner.get_namespace(namespace).await
+            }
 
-    async fn update_namespace(
-        &self,
-        namespace: &NamespaceIdent,
-        properties: HashMap<String, String>,
-    ) -> iceberg::Result<()> {
-        self.inner.update_namespace(namespace, properties).await
-    }
+            async fn namespace_exists(
+                &self,
+                namespace: &iceberg::NamespaceIdent,
+            ) -> iceberg::Result<bool> {
+                self.inner.namespace_exists(namespace).await
+            }
 
-    async fn drop_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<()> {
-        self.inner.drop_namespace(namespace).await
-    }
+            async fn update_namespace(
+                &self,
+                namespace: &iceberg::NamespaceIdent,
+                properties: std::collections::HashMap<String, String>,
+            ) -> iceberg::Result<()> {
+                self.inner.update_namespace(namespace, properties).await
+            }
 
-    async fn list_tables(&self, namespace: &NamespaceIdent) -> iceberg::Result<Vec<TableIdent>> {
-        self.inner.list_tables(namespace).await
-    }
+            async fn drop_namespace(&self, namespace: &iceberg::NamespaceIdent) -> iceberg::Result<()> {
+                self.inner.drop_namespace(namespace).await
+            }
 
-    async fn create_table(
-        &self,
-        namespace: &NamespaceIdent,
-        creation: TableCreation,
-    ) -> iceberg::Result<Table> {
-        self.inner.create_table(namespace, creation).await
-    }
+            async fn list_tables(
+                &self,
+                namespace: &iceberg::NamespaceIdent,
+            ) -> iceberg::Result<Vec<iceberg::TableIdent>> {
+                self.inner.list_tables(namespace).await
+            }
 
+            async fn create_table(
+                &self,
+                namespace: &iceberg::NamespaceIdent,
+                creation: iceberg::TableCreation,
+            ) -> iceberg::Result<iceberg::table::Table> {
+                self.inner.create_table(namespace, creation).await
+            }
+
+            async fn drop_table(&self, table: &iceberg::TableIdent) -> iceberg::Result<()> {
+                self.inner.drop_table(table).await
+            }
+
+            async fn purge_table(&self, table: &iceberg::TableIdent) -> iceberg::Result<()> {
+                self.inner.purge_table(table).await
+            }
+
+            async fn table_exists(&self, table: &iceberg::TableIdent) -> iceberg::Result<bool> {
+                self.inner.table_exists(table).await
+            }
+
+            async fn rename_table(
+                &self,
+                src: &iceberg::TableIdent,
+                dest: &iceberg::TableIdent,
+            ) -> iceberg::Result<()> {
+                self.inner.rename_table(src, dest).await
+            }
+
+            async fn register_table(
+                &self,
+                table: &iceberg::TableIdent,
+                metadata_location: String,
+            ) -> iceberg::Result<iceberg::table::Table> {
+                self.inner.register_table(table, metadata_location).await
+            }
+        }
+    };
+}
+pub(crate) use catalog_around_inner;
+
+crate::catalog::catalog_around_inner!(GuardedCatalog<'_> {
     /// The refresh of a commit attempt: the dedupe check runs here.
     async fn load_table(&self, ident: &TableIdent) -> iceberg::Result<Table> {
         let table = self.inner.load_table(ident).await?;
@@ -426,30 +472,6 @@ impl Catalog for GuardedCatalog<'_> {
             }
             None => Ok(table),
         }
-    }
-
-    async fn drop_table(&self, table: &TableIdent) -> iceberg::Result<()> {
-        self.inner.drop_table(table).await
-    }
-
-    async fn purge_table(&self, table: &TableIdent) -> iceberg::Result<()> {
-        self.inner.purge_table(table).await
-    }
-
-    async fn table_exists(&self, table: &TableIdent) -> iceberg::Result<bool> {
-        self.inner.table_exists(table).await
-    }
-
-    async fn rename_table(&self, src: &TableIdent, dest: &TableIdent) -> iceberg::Result<()> {
-        self.inner.rename_table(src, dest).await
-    }
-
-    async fn register_table(
-        &self,
-        table: &TableIdent,
-        metadata_location: String,
-    ) -> iceberg::Result<Table> {
-        self.inner.register_table(table, metadata_location).await
     }
 
     async fn update_table(&self, commit: TableCommit) -> iceberg::Result<Table> {
@@ -494,7 +516,7 @@ impl Catalog for GuardedCatalog<'_> {
         }
         Ok(table)
     }
-}
+});
 /// A tokio runtime of one thread named `name`, made once in `cell` and
 /// shared by every sink of the process: commits, merges and table
 /// maintenance each run on one of their own, so that they neither queue

@@ -31,7 +31,7 @@ use iceberg::spec::{
 };
 use iceberg::table::Table;
 use iceberg::transaction::{AddColumn, ApplyTransactionAction, Transaction};
-use iceberg::{Catalog, Namespace, NamespaceIdent, TableCommit, TableCreation, TableIdent};
+use iceberg::{Catalog, TableCommit, TableIdent};
 use tinyflow_api::{StreamError, StreamResult};
 
 use crate::catalog::external;
@@ -364,74 +364,16 @@ struct Widening<'a> {
     widen: &'a Widen,
 }
 
-#[async_trait::async_trait]
-impl Catalog for Widening<'_> {
-    async fn list_namespaces(
-        &self,
-        parent: Option<&NamespaceIdent>,
-    ) -> iceberg::Result<Vec<NamespaceIdent>> {
-        self.inner.list_namespaces(parent).await
-    }
-    async fn create_namespace(
-        &self,
-        namespace: &NamespaceIdent,
-        properties: HashMap<String, String>,
-    ) -> iceberg::Result<Namespace> {
-        self.inner.create_namespace(namespace, properties).await
-    }
-    async fn get_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<Namespace> {
-        self.inner.get_namespace(namespace).await
-    }
-    async fn namespace_exists(&self, namespace: &NamespaceIdent) -> iceberg::Result<bool> {
-        self.inner.namespace_exists(namespace).await
-    }
-    async fn update_namespace(
-        &self,
-        namespace: &NamespaceIdent,
-        properties: HashMap<String, String>,
-    ) -> iceberg::Result<()> {
-        self.inner.update_namespace(namespace, properties).await
-    }
-    async fn drop_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<()> {
-        self.inner.drop_namespace(namespace).await
-    }
-    async fn list_tables(&self, namespace: &NamespaceIdent) -> iceberg::Result<Vec<TableIdent>> {
-        self.inner.list_tables(namespace).await
-    }
-    async fn create_table(
-        &self,
-        namespace: &NamespaceIdent,
-        creation: TableCreation,
-    ) -> iceberg::Result<Table> {
-        self.inner.create_table(namespace, creation).await
-    }
+crate::catalog::catalog_around_inner!(Widening<'_> {
     async fn load_table(&self, table: &TableIdent) -> iceberg::Result<Table> {
         let t = self.inner.load_table(table).await?;
         with_widened_schema(&t, self.widen)
     }
-    async fn drop_table(&self, table: &TableIdent) -> iceberg::Result<()> {
-        self.inner.drop_table(table).await
-    }
-    async fn purge_table(&self, table: &TableIdent) -> iceberg::Result<()> {
-        self.inner.purge_table(table).await
-    }
-    async fn table_exists(&self, table: &TableIdent) -> iceberg::Result<bool> {
-        self.inner.table_exists(table).await
-    }
-    async fn rename_table(&self, src: &TableIdent, dest: &TableIdent) -> iceberg::Result<()> {
-        self.inner.rename_table(src, dest).await
-    }
-    async fn register_table(
-        &self,
-        table: &TableIdent,
-        metadata_location: String,
-    ) -> iceberg::Result<Table> {
-        self.inner.register_table(table, metadata_location).await
-    }
+
     async fn update_table(&self, commit: TableCommit) -> iceberg::Result<Table> {
         self.inner.update_table(commit).await
     }
-}
+});
 
 /// Why the table cannot take the declared `columns` even by evolving, if
 /// it cannot.

@@ -38,7 +38,7 @@ use futures_util::{FutureExt as _, StreamExt as _};
 use iceberg::spec::{ManifestFile, SnapshotRef, TableProperties};
 use iceberg::table::Table;
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
-use iceberg::{Catalog, Namespace, NamespaceIdent, TableCommit, TableCreation, TableIdent};
+use iceberg::{Catalog, TableCommit, TableIdent};
 use tinyflow_api::{StreamError, StreamResult};
 
 use crate::IcebergSink;
@@ -678,14 +678,7 @@ async fn unreferenced(
     }
     // Their data files, unless a remaining manifest lists them as live.
     let mut data: HashMap<String, u64> = HashMap::new();
-    let read = futures_util::stream::iter(candidates.into_values())
-        .map(|m| async move {
-            let manifest = m.load_manifest(io).await;
-            (m, manifest)
-        })
-        .buffer_unordered(CONCURRENCY)
-        .collect::<Vec<_>>()
-        .await;
+    let read = load_manifests(candidates.into_values(), io).await;
     for (m, manifest) in read {
         match manifest {
             Ok(manifest) => {
@@ -712,14 +705,7 @@ async fn unreferenced(
     // (`kept` holds them all: the lists were read to the end, or no
     // manifest would be left to delete). That cost comes only after a
     // rewrite: after fast appends alone no manifest goes.
-    let read = futures_util::stream::iter(kept.into_values())
-        .map(|m| async move {
-            let manifest = m.load_manifest(io).await;
-            (m, manifest)
-        })
-        .buffer_unordered(CONCURRENCY)
-        .collect::<Vec<_>>()
-        .await;
+    let read = load_manifests(kept.into_values(), io).await;
     for (m, manifest) in read {
         match manifest {
             Ok(manifest) => {
@@ -742,6 +728,22 @@ async fn unreferenced(
         doomed.bytes += bytes;
         doomed.data.push(path);
     }
+}
+
+/// Each of `manifests` with its entries read, at most [`CONCURRENCY`] at a
+/// time.
+async fn load_manifests(
+    manifests: impl IntoIterator<Item = ManifestFile>,
+    io: &iceberg::io::FileIO,
+) -> Vec<(ManifestFile, iceberg::Result<iceberg::spec::Manifest>)> {
+    futures_util::stream::iter(manifests)
+        .map(|m| async move {
+            let manifest = m.load_manifest(io).await;
+            (m, manifest)
+        })
+        .buffer_unordered(CONCURRENCY)
+        .collect()
+        .await
 }
 
 /// The version of a metadata file from its name,
@@ -897,55 +899,7 @@ impl<'a> Recording<'a> {
     }
 }
 
-#[async_trait::async_trait]
-impl Catalog for Recording<'_> {
-    async fn list_namespaces(
-        &self,
-        parent: Option<&NamespaceIdent>,
-    ) -> iceberg::Result<Vec<NamespaceIdent>> {
-        self.inner.list_namespaces(parent).await
-    }
-
-    async fn create_namespace(
-        &self,
-        namespace: &NamespaceIdent,
-        properties: HashMap<String, String>,
-    ) -> iceberg::Result<Namespace> {
-        self.inner.create_namespace(namespace, properties).await
-    }
-
-    async fn get_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<Namespace> {
-        self.inner.get_namespace(namespace).await
-    }
-
-    async fn namespace_exists(&self, namespace: &NamespaceIdent) -> iceberg::Result<bool> {
-        self.inner.namespace_exists(namespace).await
-    }
-
-    async fn update_namespace(
-        &self,
-        namespace: &NamespaceIdent,
-        properties: HashMap<String, String>,
-    ) -> iceberg::Result<()> {
-        self.inner.update_namespace(namespace, properties).await
-    }
-
-    async fn drop_namespace(&self, namespace: &NamespaceIdent) -> iceberg::Result<()> {
-        self.inner.drop_namespace(namespace).await
-    }
-
-    async fn list_tables(&self, namespace: &NamespaceIdent) -> iceberg::Result<Vec<TableIdent>> {
-        self.inner.list_tables(namespace).await
-    }
-
-    async fn create_table(
-        &self,
-        namespace: &NamespaceIdent,
-        creation: TableCreation,
-    ) -> iceberg::Result<Table> {
-        self.inner.create_table(namespace, creation).await
-    }
-
+crate::catalog::catalog_around_inner!(Recording<'_> {
     async fn load_table(&self, ident: &TableIdent) -> iceberg::Result<Table> {
         let table = self.inner.load_table(ident).await?;
         self.seen
@@ -955,30 +909,6 @@ impl Catalog for Recording<'_> {
         Ok(table)
     }
 
-    async fn drop_table(&self, table: &TableIdent) -> iceberg::Result<()> {
-        self.inner.drop_table(table).await
-    }
-
-    async fn purge_table(&self, table: &TableIdent) -> iceberg::Result<()> {
-        self.inner.purge_table(table).await
-    }
-
-    async fn table_exists(&self, table: &TableIdent) -> iceberg::Result<bool> {
-        self.inner.table_exists(table).await
-    }
-
-    async fn rename_table(&self, src: &TableIdent, dest: &TableIdent) -> iceberg::Result<()> {
-        self.inner.rename_table(src, dest).await
-    }
-
-    async fn register_table(
-        &self,
-        table: &TableIdent,
-        metadata_location: String,
-    ) -> iceberg::Result<Table> {
-        self.inner.register_table(table, metadata_location).await
-    }
-
     async fn update_table(&self, commit: TableCommit) -> iceberg::Result<Table> {
         if self.dry {
             let current = self.inner.load_table(commit.identifier()).await?;
@@ -986,7 +916,7 @@ impl Catalog for Recording<'_> {
         }
         self.inner.update_table(commit).await
     }
-}
+});
 
 #[cfg(test)]
 mod tests {

@@ -137,15 +137,7 @@ async fn maintain_beside_a_running_job_then_after_a_kill_and_the_restarted_job_r
     let producer = produce_slowly(&bootstrap, &topic, n, 2 * n, Duration::from_millis(200));
     let (mut rounds, mut expired) = (0, 0);
     while rounds < 3 || !producer.is_finished() {
-        let (code, out, err) = tinyflow(&[
-            "maintain",
-            job_arg,
-            "--older-than",
-            "0s",
-            "--retain-last",
-            "2",
-        ]);
-        assert_eq!(code, Some(0), "{out}{err}");
+        let out = maintain_now(job_arg, "2", &[]);
         assert!(
             out.contains("table chaos.bids") && out.contains("kept)"),
             "{out}"
@@ -183,16 +175,7 @@ async fn maintain_beside_a_running_job_then_after_a_kill_and_the_restarted_job_r
     let snapshots = snapshot_count(&dir);
     assert!(snapshots > 1, "{snapshots} snapshots");
     let files = metadata_files(&dir);
-    let (code, out, err) = tinyflow(&[
-        "maintain",
-        job_arg,
-        "--dry-run",
-        "--older-than",
-        "0s",
-        "--retain-last",
-        "1",
-    ]);
-    assert_eq!(code, Some(0), "{out}{err}");
+    let out = maintain_now(job_arg, "1", &["--dry-run"]);
     assert!(
         out.contains("dry run: nothing was changed")
             && out.contains(&format!(
@@ -209,15 +192,7 @@ async fn maintain_beside_a_running_job_then_after_a_kill_and_the_restarted_job_r
     );
     assert_eq!(metadata_files(&dir), files, "the dry run deleted nothing");
 
-    let (code, out, err) = tinyflow(&[
-        "maintain",
-        job_arg,
-        "--older-than",
-        "0s",
-        "--retain-last",
-        "1",
-    ]);
-    assert_eq!(code, Some(0), "{out}{err}");
+    let out = maintain_now(job_arg, "1", &[]);
     assert!(
         out.contains(&format!("expired {} snapshots (1 kept)", snapshots - 1))
             && out.contains("policy: expire snapshots older than 0s keeping at least 1; keep 3 previous metadata files"),
@@ -298,4 +273,15 @@ async fn maintain_refuses_bad_settings_with_exit_2_naming_the_key() {
     );
     let (code, _, _) = tinyflow(&["maintain", job_arg]);
     assert_eq!(code, Some(2), "still not created");
+}
+
+/// `tinyflow maintain JOB [extra] --older-than 0s --retain-last N`, which
+/// must succeed: what it printed.
+fn maintain_now(job_arg: &str, retain_last: &str, extra: &[&str]) -> String {
+    let mut args = vec!["maintain", job_arg];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--older-than", "0s", "--retain-last", retain_last]);
+    let (code, out, err) = tinyflow(&args);
+    assert_eq!(code, Some(0), "{out}{err}");
+    out
 }
