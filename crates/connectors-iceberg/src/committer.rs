@@ -299,7 +299,10 @@ pub(crate) struct Committer {
     identity: Identity,
     /// The newest checkpoint notified complete in this attempt (0: none).
     notified: u64,
-    last_commit: Instant,
+    /// When the cadence last decided to commit: its interval counts from
+    /// there, so neither the commit's nor its merge's duration delays the
+    /// next one.
+    decided: Instant,
     /// The merge under way before a commit, if any.
     merging: Option<Merging>,
     /// No merging before this (after a failed merge).
@@ -328,7 +331,7 @@ impl Committer {
             uncommitted: 0,
             identity: Identity::default(),
             notified: 0,
-            last_commit: Instant::now(),
+            decided: Instant::now(),
             merging: None,
             merge_resumes: None,
             finishing: false,
@@ -443,7 +446,6 @@ impl Committer {
                     self.note_committed(high, snapshot);
                     self.pending.retain(|id, _| *id > high);
                     self.uncommitted = 0;
-                    self.last_commit = Instant::now();
                     self.commits.increment(1);
                     self.commit_seconds.record(started.elapsed().as_secs_f64());
                     self.last_committed.set(high as f64);
@@ -931,10 +933,11 @@ impl Sink<DataFileMeta> for Committer {
         if ended
             || self.table.config.cadence.due(
                 self.uncommitted,
-                self.last_commit.elapsed(),
+                self.decided.elapsed(),
                 self.pending_bytes(),
             )
         {
+            self.decided = Instant::now();
             if self.start_merge(id.get()) {
                 if ended {
                     self.finish_merge().await?;

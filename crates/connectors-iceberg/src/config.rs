@@ -533,6 +533,13 @@ impl FromStr for BadRecords {
     }
 }
 
+/// How much earlier than its `interval` a commit may come (a tenth of the
+/// interval when that is less): checkpoints complete an interval apart give
+/// or take a few milliseconds, and one completing just short of the commit
+/// interval would otherwise push the commit to the next checkpoint
+/// (`interval = "1s"` at 1 s checkpoints committed every other one).
+pub(crate) const INTERVAL_SLACK: Duration = Duration::from_millis(100);
+
 /// When the committer commits. With no bound set it commits on every
 /// completed checkpoint; otherwise when any bound is reached (checked at
 /// each completed checkpoint). Exactly-once does not depend on it: files
@@ -541,7 +548,9 @@ impl FromStr for BadRecords {
 pub struct CommitCadence {
     /// Commit once this many completed checkpoints are uncommitted.
     pub every_checkpoints: Option<u32>,
-    /// Commit once this long passed since the previous commit.
+    /// Commit once this long passed since the previous commit was decided,
+    /// less 100 ms (a tenth of it when shorter): a checkpoint completing a
+    /// little short of it still commits.
     pub interval: Option<Duration>,
     /// Commit once the uncommitted files hold this many bytes.
     pub max_pending_bytes: Option<u64>,
@@ -557,6 +566,8 @@ impl CommitCadence {
             || self.max_pending_bytes.is_some()
     }
 
+    /// Whether to commit now, `since_last` after the previous commit was
+    /// decided.
     pub(crate) fn due(&self, uncommitted: u32, since_last: Duration, pending_bytes: u64) -> bool {
         if self.every_checkpoints.is_none()
             && self.interval.is_none()
@@ -565,7 +576,9 @@ impl CommitCadence {
             return true;
         }
         self.every_checkpoints.is_some_and(|n| uncommitted >= n)
-            || self.interval.is_some_and(|t| since_last >= t)
+            || self
+                .interval
+                .is_some_and(|t| since_last + INTERVAL_SLACK.min(t / 10) >= t)
             || self.max_pending_bytes.is_some_and(|b| pending_bytes >= b)
     }
 }
@@ -960,6 +973,25 @@ mod tests {
         assert!(c.due(3, Duration::ZERO, 0));
         assert!(c.due(1, Duration::from_secs(10), 0));
         assert!(c.due(1, Duration::ZERO, 1000));
+    }
+
+    /// A checkpoint completing a little short of the interval commits; one
+    /// completing well short does not.
+    #[test]
+    fn an_interval_is_reached_a_little_early() {
+        let every = |t: u64| CommitCadence {
+            interval: Some(Duration::from_millis(t)),
+            ..CommitCadence::default()
+        };
+        let due = |c: &CommitCadence, since: u64| c.due(1, Duration::from_millis(since), 0);
+        assert!(due(&every(1_000), 950));
+        assert!(due(&every(1_000), 900));
+        assert!(!due(&every(1_000), 850));
+        assert!(due(&every(60_000), 59_950));
+        assert!(!due(&every(60_000), 59_800));
+        // A tenth of a short interval.
+        assert!(due(&every(200), 185));
+        assert!(!due(&every(200), 170));
     }
 
     #[test]
