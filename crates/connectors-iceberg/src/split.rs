@@ -25,13 +25,12 @@ use arrow_select::take::{take, take_record_batch};
 use iceberg::arrow::{
     PartitionValueCalculator, RecordBatchPartitionSplitter, arrow_struct_to_literal,
 };
-use iceberg::spec::{Literal, PartitionKey, PartitionSpec, SchemaRef, StructType};
+use iceberg::spec::{Literal, PartitionKey, PartitionSpec, SchemaRef};
 use iceberg::{Error, ErrorKind};
 
 /// Splits batches by the partition spec of a table.
 pub(crate) struct Splitter {
     calculator: PartitionValueCalculator,
-    partition_type: StructType,
     spec: PartitionSpec,
     schema: SchemaRef,
     /// iceberg's, for partition values the sort does not take.
@@ -42,14 +41,12 @@ impl Splitter {
     /// A splitter for tables of `spec` (partitioned) over `schema`.
     pub(crate) fn try_new(schema: SchemaRef, spec: PartitionSpec) -> iceberg::Result<Self> {
         let calculator = PartitionValueCalculator::try_new(&spec, &schema)?;
-        let partition_type = calculator.partition_type().clone();
         let fallback = RecordBatchPartitionSplitter::try_new_with_computed_values(
             Arc::clone(&schema),
             Arc::new(spec.clone()),
         )?;
         Ok(Self {
             calculator,
-            partition_type,
             spec,
             schema,
             fallback,
@@ -129,7 +126,7 @@ impl Splitter {
     /// The partition key of row `row` of the partition values `values`.
     fn key(&self, values: &arrow_array::StructArray, row: usize) -> iceberg::Result<PartitionKey> {
         let one: ArrayRef = Arc::new(values.slice(row, 1));
-        match arrow_struct_to_literal(&one, &self.partition_type)?
+        match arrow_struct_to_literal(&one, self.calculator.partition_type())?
             .into_iter()
             .next()
         {

@@ -406,7 +406,6 @@ impl IcebergFileWriter {
         if self.memory > self.max_memory {
             self.spill().await?;
         }
-        self.buffered.set(self.memory as f64);
         Ok(())
     }
 
