@@ -901,12 +901,10 @@ async fn a_null_and_the_string_null_are_different_partitions() {
     w.write(vec![b]).await.unwrap();
     let files = w.flush(CheckpointId::new(1)).await.unwrap();
     assert_eq!(files.len(), 2, "{files:?}");
+    // The string's file names it in its partition value; the null's does not.
     let mut by_value: Vec<(u64, bool)> = files
         .iter()
-        .map(|f| {
-            let json: serde_json::Value = serde_json::from_str(&f.json).unwrap();
-            (f.records, json.to_string().contains("\"null\""))
-        })
+        .map(|f| (f.records, f.json.contains("\"null\"")))
         .collect();
     by_value.sort_unstable();
     assert_eq!(by_value, vec![(5, false), (5, true)], "{files:?}");
